@@ -1,0 +1,3 @@
+"""tx_jax: Transformer models in JAX/Flax."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""tx_jax.models."""
