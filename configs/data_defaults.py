@@ -1,0 +1,63 @@
+"""The `config.data` section: defaults need nothing downloaded (synthetic reversal)."""
+
+import ml_collections
+
+
+def data_config() -> ml_collections.ConfigDict:
+  """Input pipeline defaults; family configs override fields."""
+  c = ml_collections.ConfigDict()
+  # --- where examples come from ---
+  c.source = "synthetic"  # synthetic | tfds | multi30k | text_files | tsv
+  c.task = "seq2seq"  # lm | mlm | span_corruption | seq2seq | classification
+  c.train_split = "train"  # split read by build_train_iterator (tfds / multi30k / synthetic)
+  c.eval_split = "validation"  # split the trainer evaluates on (multi30k: validation | test2016)
+  # --- TFDS (source="tfds"; data_dir / manual_dir also serve source="multi30k") ---
+  c.tfds_name = ""  # any TFDS name, e.g. "tiny_shakespeare", "glue/sst2"
+  c.tfds_data_dir = ml_collections.config_dict.placeholder(str)  # TFDS data_dir (None: TFDS default)
+  c.manual_dir = ml_collections.config_dict.placeholder(str)  # downloaded raw files for offline preparation
+  # --- feature keys (TFDS features, or TSV header columns) ---
+  c.text_key = "text"  # text feature for lm / mlm / span_corruption / classification
+  c.text_pair_key = ""  # second sentence for pair classification ("" = single sentence)
+  c.label_key = "label"  # integer class feature for classification
+  c.source_key = "de"  # seq2seq source text feature
+  c.target_key = "en"  # seq2seq target text feature
+  # --- local files (source="text_files" | "tsv"); comma-separated globs ---
+  c.train_files = ""  # files read for train_split
+  c.eval_files = ""  # files read for any other split
+  c.text_files_document = "line"  # text_files unit of one example: "line" | "file"
+  # --- tokenizer ---
+  c.tokenizer = "byte"  # byte | sentencepiece
+  c.spm_model_path = ""  # SentencePiece .model to load (T5's works); written by train_tokenizer
+  c.vocab_size = 8000  # pieces when experiments.train_tokenizer trains a SentencePiece model
+  c.spm_model_type = "unigram"  # SentencePiece training algorithm: unigram | bpe
+  c.num_sentinels = 100  # T5 extra ids on top of the vocabulary (sentinel 0 = last id)
+  # --- lengths and batching ---
+  c.seq_len = 128  # LM / encoder-only length T
+  c.source_len = 32  # seq2seq encoder length S (span corruption: corrupted-input length)
+  c.target_len = 32  # seq2seq decoder length T
+  c.pack = True  # pack several examples per row (lm, mlm, span_corruption, seq2seq)
+  c.global_batch_size = 64  # training rows per step, over all processes
+  c.eval_global_batch_size = 64  # eval rows per step, over all processes
+  c.shuffle_seed = 0  # order, packing and masking are pure functions of this seed
+  c.num_epochs = ml_collections.config_dict.placeholder(int)  # None: repeat forever
+  c.lm_shuffle_window = 256  # lm / mlm / span chunks are shuffled within windows of this many
+  c.worker_count = 0  # grain worker processes (0: in-process, best on few cores)
+  c.read_threads = 1  # grain threads reading + tokenizing records ahead of the consumer
+  c.prefetch_buffer_size = 64  # records those threads read ahead
+  # --- MLM (BERT) ---
+  c.mlm_probability = 0.15  # fraction of non-special tokens selected
+  c.mlm_mask_fraction = 0.8  # of the selected: become [MASK]
+  c.mlm_random_fraction = 0.1  # of the selected: become a random token (the rest stay)
+  # --- span corruption (T5) ---
+  c.noise_density = 0.15  # fraction of tokens corrupted
+  c.mean_noise_span_length = 3.0  # mean corrupted span length
+  # --- synthetic translation task (source="synthetic") ---
+  c.synthetic_task = "reverse"  # reverse | copy: target is the source reversed / copied
+  c.synthetic_min_len = 3  # shortest source string
+  c.synthetic_max_len = 12  # longest source string
+  c.synthetic_alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"  # characters of the strings
+  c.synthetic_train_size = 200_000  # examples in one synthetic training epoch
+  c.synthetic_eval_size = 500  # examples in each held-out split (validation / test)
+  c.synthetic_heldout_percent = 10  # % of strings (by crc32 hash) reserved for held-out splits
+  c.synthetic_seed = 0  # generator seed; held-out strings never appear in train
+  return c
