@@ -1,0 +1,74 @@
+"""GPT-2 and LLaMA-style decoder-only presets.
+
+Usage: --config=configs/gpt.py:gpt2-small (gpt2-medium, gpt2-large, gpt2-xl, llama-1b,
+llama-tiny, tiny). GPT-2 shapes follow Radford et al. 2019 / HF `gpt2*`; llama-1b is the
+TinyLlama-1.1B shape (LLaMA-2 architecture, GQA with 4 KV heads).
+"""
+
+import ml_collections
+
+from configs import common
+
+
+def _gpt2(d_model: int, num_layers: int, num_heads: int) -> ml_collections.ConfigDict:
+    config = common.base_config()
+    m = config.model
+    m.family = "decoder"
+    m.vocab_size = 50257
+    m.d_model, m.num_layers, m.num_heads = d_model, num_layers, num_heads
+    m.num_kv_heads, m.head_dim, m.mlp_dim = num_heads, d_model // num_heads, 4 * d_model
+    m.mlp_activation = "gelu_tanh"
+    m.norm, m.norm_eps, m.pre_norm = "layernorm", 1e-5, True
+    m.positions, m.max_len = "learned", 1024
+    m.tie_embeddings = True
+    m.attention_bias = m.mlp_bias = True
+    m.dropout_rate = m.attention_dropout_rate = 0.1
+    m.init_std = 0.02
+    return config
+
+
+def _llama(vocab_size: int, d_model: int, num_layers: int, num_heads: int, num_kv_heads: int,
+           mlp_dim: int, max_len: int, tie: bool) -> ml_collections.ConfigDict:
+    config = common.base_config()
+    m = config.model
+    m.family = "decoder"
+    m.vocab_size, m.d_model, m.num_layers = vocab_size, d_model, num_layers
+    m.num_heads, m.num_kv_heads, m.head_dim = num_heads, num_kv_heads, d_model // num_heads
+    m.mlp_dim, m.mlp_activation, m.gated_mlp = mlp_dim, "silu", True
+    m.norm, m.norm_eps, m.norm_bias, m.pre_norm = "rmsnorm", 1e-5, False, True
+    m.positions, m.rope_theta, m.max_len = "rope", 10000.0, max_len
+    m.tie_embeddings = tie
+    m.attention_bias = m.mlp_bias = False
+    m.dropout_rate = m.attention_dropout_rate = 0.0
+    return config
+
+
+def tiny() -> ml_collections.ConfigDict:
+    """A GPT-2-style byte-level model that trains on 2 CPU cores in minutes."""
+    config = _gpt2(d_model=128, num_layers=4, num_heads=4)
+    config.model.vocab_size = 360  # byte tokenizer: 4 specials + 256 bytes + 100 sentinels
+    config.model.max_len = 256
+    config.model.dropout_rate = config.model.attention_dropout_rate = 0.0
+    return config
+
+
+def llama_tiny() -> ml_collections.ConfigDict:
+    """LLaMA-style (RoPE, RMSNorm, SwiGLU, GQA 4:2, untied) at test scale."""
+    return _llama(vocab_size=360, d_model=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                  mlp_dim=352, max_len=256, tie=False)
+
+
+PRESETS = {
+    "gpt2-small": lambda: _gpt2(768, 12, 12),
+    "gpt2-medium": lambda: _gpt2(1024, 24, 16),
+    "gpt2-large": lambda: _gpt2(1280, 36, 20),
+    "gpt2-xl": lambda: _gpt2(1600, 48, 25),
+    "llama-1b": lambda: _llama(vocab_size=32000, d_model=2048, num_layers=22, num_heads=32,
+                               num_kv_heads=4, mlp_dim=5632, max_len=2048, tie=False),
+    "llama-tiny": llama_tiny,
+    "tiny": tiny,
+}
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    return common.get_preset(PRESETS, arg, "tiny", "gpt.py")()

@@ -1,0 +1,152 @@
+"""Multi-head attention: self / cross, grouped-query, RoPE, KV cache, pluggable backends.
+
+Masks and additive biases are built by the caller and passed in; the backend
+(`attention_backends`) only computes softmax(Q·Kᵀ·scale + bias)·V. The one
+exception is decoding, where this layer owns the KV cache ("cache" collection):
+
+- self-attention appends the new K/V at `cache_index` and attends over all
+  cache slots; the caller's mask is then [B, 1, T, S_max] over slots.
+- cross-attention computes K/V once, on the call that receives the encoder
+  output (`kv_BSD`), and reuses them on calls that pass `kv_BSD=None`.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from tx_jax.layers.attention_backends import get_backend
+from tx_jax.layers.positions import apply_rope
+
+Array = jnp.ndarray
+
+
+class MultiHeadAttention(nn.Module):
+    """softmax(Q·Kᵀ/√d_k)·V over `num_heads` query heads and `num_kv_heads` K/V heads."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    use_bias: bool = False
+    dropout_rate: float = 0.0
+    backend: str = "dense"
+    scale: float | None = None  # None: 1/sqrt(head_dim); T5 folds it into the init and uses 1.0
+    rope_theta: float | None = None  # set to rotate q and k (RoPE)
+    kernel_init: nn.initializers.Initializer = nn.initializers.lecun_normal()
+    output_init: nn.initializers.Initializer | None = None
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    def _projection(self, heads: int, head_axis: str, name: str) -> nn.DenseGeneral:
+        return nn.DenseGeneral(
+            features=(heads, self.head_dim),
+            axis=-1,
+            use_bias=self.use_bias,
+            kernel_init=nn.with_logical_partitioning(
+                self.kernel_init, ("embed", head_axis, "head_dim")),
+            bias_init=nn.with_logical_partitioning(
+                nn.initializers.zeros, (head_axis, "head_dim")),
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name=name,
+        )
+
+    @nn.compact
+    def __call__(
+        self,
+        x_BTD: Array,
+        kv_BSD: Array | None = None,
+        *,
+        mask: Array | None = None,
+        bias: Array | None = None,
+        query_positions: Array | None = None,
+        key_positions: Array | None = None,
+        is_cross: bool = False,
+        train: bool = False,
+        decode: bool = False,
+    ) -> Array:
+        """x_BTD attends to itself, or to kv_BSD when `is_cross`. Returns [B, T, D]."""
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model.num_heads={self.num_heads} must be a multiple of "
+                f"model.num_kv_heads={self.num_kv_heads}")
+        q_BTNH = self._projection(self.num_heads, "heads", "query")(x_BTD)
+        key_proj = self._projection(self.num_kv_heads, "kv_heads", "key")
+        value_proj = self._projection(self.num_kv_heads, "kv_heads", "value")
+
+        if is_cross:
+            k_BSKH, v_BSKH = self._cross_kv(kv_BSD, key_proj, value_proj, decode)
+        else:
+            k_BSKH, v_BSKH = key_proj(x_BTD), value_proj(x_BTD)
+            if self.rope_theta is not None:
+                q_BTNH = apply_rope(q_BTNH, query_positions, self.rope_theta)
+                k_BSKH = apply_rope(k_BSKH, key_positions, self.rope_theta)
+            if decode:
+                k_BSKH, v_BSKH = self._append_to_cache(k_BSKH, v_BSKH)
+        q_BTNH = nn.with_logical_constraint(
+            q_BTNH, ("act_batch", "act_len", "act_heads", "act_head_dim"))
+        k_BSKH = nn.with_logical_constraint(
+            k_BSKH, ("act_batch", "act_kv_len", "act_kv_heads", "act_head_dim"))
+        v_BSKH = nn.with_logical_constraint(
+            v_BSKH, ("act_batch", "act_kv_len", "act_kv_heads", "act_head_dim"))
+
+        deterministic = not train or self.dropout_rate == 0.0
+        out_BTNH = get_backend(self.backend)(
+            q_BTNH, k_BSKH, v_BSKH, mask, bias,
+            scale=self.scale if self.scale is not None else self.head_dim ** -0.5,
+            dropout_rate=self.dropout_rate,
+            dropout_rng=None if deterministic else self.make_rng("dropout"),
+            deterministic=deterministic,
+        )
+        out_BTNH = nn.with_logical_constraint(
+            out_BTNH, ("act_batch", "act_len", "act_heads", "act_head_dim"))
+        return nn.DenseGeneral(
+            features=x_BTD.shape[-1],
+            axis=(-2, -1),
+            use_bias=self.use_bias,
+            kernel_init=nn.with_logical_partitioning(
+                self.output_init or self.kernel_init, ("heads", "head_dim", "embed")),
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name="out",
+        )(out_BTNH)
+
+    def _append_to_cache(self, k_BTKH: Array, v_BTKH: Array) -> tuple[Array, Array]:
+        """Writes the new K/V at cache_index; returns the whole cache [B, S_max, K, H].
+
+        On the call that creates the cache (init with a full-length input) the
+        new K/V are returned as they are and nothing is written.
+        """
+        initialized = self.has_variable("cache", "cached_key")
+        cached_key = self.variable("cache", "cached_key", jnp.zeros, k_BTKH.shape, k_BTKH.dtype)
+        cached_value = self.variable("cache", "cached_value", jnp.zeros, v_BTKH.shape,
+                                     v_BTKH.dtype)
+        cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+        if not initialized:
+            return k_BTKH, v_BTKH
+        index = cache_index.value
+        start = (0, index, 0, 0)
+        cached_key.value = jax.lax.dynamic_update_slice(
+            cached_key.value, k_BTKH.astype(cached_key.value.dtype), start)
+        cached_value.value = jax.lax.dynamic_update_slice(
+            cached_value.value, v_BTKH.astype(cached_value.value.dtype), start)
+        cache_index.value = index + k_BTKH.shape[1]
+        return cached_key.value, cached_value.value
+
+    def _cross_kv(self, kv_BSD: Array | None, key_proj, value_proj,
+                  decode: bool) -> tuple[Array, Array]:
+        """Cross-attention K/V: projected from kv_BSD, cached in decode mode when given."""
+        if not decode:
+            return key_proj(kv_BSD), value_proj(kv_BSD)
+        if kv_BSD is None:
+            if not self.has_variable("cache", "cross_key"):
+                raise ValueError("cross-attention decode step before the prefill call: pass the "
+                                 "encoder output on the first decode call")
+            return (self.get_variable("cache", "cross_key"),
+                    self.get_variable("cache", "cross_value"))
+        k_BSKH, v_BSKH = key_proj(kv_BSD), value_proj(kv_BSD)
+        self.put_variable("cache", "cross_key", k_BSKH)
+        self.put_variable("cache", "cross_value", v_BSKH)
+        return k_BSKH, v_BSKH
