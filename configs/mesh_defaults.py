@@ -1,0 +1,54 @@
+"""Default `mesh` and `sharding` config sections.
+
+configs/common.py assembles these into every family config. Every field has a value and a
+one-line comment: library code (tx_jax/sharding.py) reads `config.x` and never falls back to a
+default of its own. Override from the command line, e.g.
+`--config.mesh.data=2 --config.mesh.fsdp=2 --config.mesh.tensor=2`.
+"""
+
+import ml_collections
+
+
+def mesh_config() -> ml_collections.ConfigDict:
+  """The `config.mesh` section: device-mesh axis sizes; their product is the device count."""
+  c = ml_collections.ConfigDict()
+  c.data = -1  # data-parallel replicas (batch split, params replicated); -1 = fill the rest
+  c.fsdp = 1  # ZeRO-3 shards: batch split and params + optimizer state split; -1 = fill
+  c.sequence = 1  # sequence parallelism: activations split along their length; -1 = fill
+  c.tensor = 1  # Megatron tensor parallelism: heads / mlp / vocab split; -1 = fill
+  return c
+
+
+def sharding_config() -> ml_collections.ConfigDict:
+  """The `config.sharding` section: how logical axis names map onto the mesh axes."""
+  c = ml_collections.ConfigDict()
+  # (logical axis, mesh axis | tuple of mesh axes | None) in priority order: within one array
+  # a mesh axis is used at most once, by the first rule that claims it. Logical names are
+  # defined in tx_jax/layers/__init__.py. None = replicated along that axis.
+  c.rules = [
+      # Activations: batch over data and fsdp, Megatron-split inner dims over tensor.
+      ("act_batch", ("data", "fsdp")),
+      ("act_len", "sequence"),
+      ("act_kv_len", None),
+      ("act_embed", None),
+      ("act_heads", "tensor"),
+      ("act_kv_heads", "tensor"),
+      ("act_head_dim", None),
+      ("act_mlp", "tensor"),
+      ("act_vocab", "tensor"),
+      # Parameters. Column-parallel QKV [embed, heads, head_dim] and up/gate [embed, mlp]
+      # split their output dim over tensor; row-parallel out [heads, head_dim, embed] and
+      # down [mlp, embed] split their input dim; the embedding [vocab, embed] and the lm head
+      # [embed, vocab] split the vocabulary. Every `embed` dim is split over fsdp (ZeRO-3).
+      ("vocab", "tensor"),
+      ("heads", "tensor"),
+      ("kv_heads", "tensor"),
+      ("mlp", "tensor"),
+      ("embed", "fsdp"),
+      ("head_dim", None),
+      ("layers", None),
+      ("relpos_buckets", None),
+      ("type_vocab", None),
+      ("position", None),
+  ]
+  return c

@@ -1,0 +1,456 @@
+"""Meshes, logical-axis rules and shardings: one config runs on a CPU, a GPU node or a pod slice.
+
+Mesh axes, outermost (cheapest network) first:
+  data      data parallelism: the batch is split, parameters are replicated.
+  fsdp      ZeRO-3: the batch is split and so are parameters and optimizer state.
+  sequence  optional sequence parallelism: activations split along their length.
+  tensor    Megatron tensor parallelism: heads, mlp width and vocabulary split.
+Models name every axis logically (tx_jax/layers/__init__.py); `config.sharding.rules` maps
+those names onto these mesh axes. This file knows no model and no trainer.
+
+Typical use (eval_shape, then shardings, then a sharded init; no full copy on one device):
+
+  mesh = sharding.make_mesh(config.mesh)
+  rules = sharding.logical_rules(config)
+  boxed = jax.eval_shape(module.init, key, *args)["params"]
+  p_shardings = sharding.param_shardings(boxed, mesh, rules)
+  params = jax.jit(lambda k: nn.meta.unbox(module.init(k, *args)["params"]),
+                   out_shardings=p_shardings)(key)
+  step = jax.jit(sharding.with_rules(train_step, mesh, rules), in_shardings=..., ...)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import ml_collections
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "sequence", "tensor")  # outermost (cheapest network) first
+BATCH_AXES = ("data", "fsdp")  # mesh axes that split the global batch
+
+Rules = tuple[tuple[str, "str | tuple[str, ...] | None"], ...]
+
+# (config.model field, logical axis it sizes): checked for divisibility by validate().
+_MODEL_DIMS = (
+    ("num_heads", "heads"),
+    ("num_kv_heads", "kv_heads"),
+    ("mlp_dim", "mlp"),
+    ("vocab_size", "vocab"),
+    ("emb_dim", "embed"),
+)
+
+
+# ----------------------------------------------------------------------------- mesh
+
+
+def mesh_shape(mesh_cfg: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
+  """Axis sizes of `config.mesh` with the one -1 filled; the product must be `num_devices`."""
+  sizes = {axis: mesh_cfg[axis] for axis in MESH_AXES}
+  for axis, size in sizes.items():
+    if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
+      raise ValueError(
+          f"config.mesh.{axis}={size!r}: expected a positive int or -1 (fill the devices left)"
+      )
+  fill = [axis for axis, size in sizes.items() if size == -1]
+  if len(fill) > 1:
+    raise ValueError(
+        f"config.mesh: only one axis may be -1 (fill), got {', '.join(fill)} = -1; set all but one"
+    )
+  fixed = math.prod(size for size in sizes.values() if size != -1)
+  if fill:
+    if num_devices % fixed:
+      raise ValueError(
+          f"config.mesh.{fill[0]}=-1 cannot fill {num_devices} devices: the other axes "
+          f"({_fmt(sizes)}) multiply to {fixed}, which does not divide {num_devices}"
+      )
+    sizes[fill[0]] = num_devices // fixed
+  if math.prod(sizes.values()) != num_devices:
+    raise ValueError(
+        f"config.mesh: {_fmt(sizes)} multiply to {math.prod(sizes.values())} but there are "
+        f"{num_devices} devices; make the product {num_devices} or set one axis to -1"
+    )
+  return sizes
+
+
+def make_mesh(mesh_cfg: ml_collections.ConfigDict, devices: Sequence[Any] | None = None) -> Mesh:
+  """The device mesh of `config.mesh` over `devices` (default: every device of every process).
+
+  Across hosts (several processes on GPU/CPU, or several TPU slices) the outer axes (data
+  first, then fsdp, ...) absorb the host count, so tensor and fsdp collectives stay on the
+  fast intra-host network and only the outer axes cross the slower one.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  sizes = [mesh_shape(mesh_cfg, len(devices))[axis] for axis in MESH_AXES]
+  axis_types = (AxisType.Auto,) * len(MESH_AXES)
+  granule_attr, granules = _granules(devices)
+  if granules > 1:
+    dcn = _split_outer(sizes, granules)
+    if dcn is None and granule_attr == "slice_index":
+      raise ValueError(
+          f"config.mesh: {dict(zip(MESH_AXES, sizes))} cannot be split over {granules} TPU "
+          f"slices: the product of leading axes must be a multiple of {granules}"
+      )
+    if dcn is not None:
+      ici = [size // d for size, d in zip(sizes, dcn)]
+      array = mesh_utils.create_hybrid_device_mesh(
+          ici, dcn, devices, process_is_granule=granule_attr == "process_index"
+      )
+      return Mesh(array, MESH_AXES, axis_types=axis_types)
+  return jax.make_mesh(sizes, MESH_AXES, axis_types=axis_types, devices=devices)
+
+
+def _granules(devices: Sequence[Any]) -> tuple[str, int]:
+  """The slow-network unit the devices span: TPU slices, else processes (GPU/CPU hosts)."""
+  slices = {getattr(d, "slice_index", 0) for d in devices}
+  if len(slices) > 1:
+    return "slice_index", len(slices)
+  processes = {d.process_index for d in devices}
+  per_process = {sum(d.process_index == p for d in devices) for p in processes}
+  # A TPU pod slice is one ICI network however many hosts drive it: jax.make_mesh knows it.
+  if devices[0].platform != "tpu" and len(processes) > 1 and len(per_process) == 1:
+    return "process_index", len(processes)
+  return "", 1
+
+
+def _split_outer(sizes: Sequence[int], granules: int) -> list[int] | None:
+  """Per-axis counts of granules, taken greedily from the outermost axes; None if impossible."""
+  dcn, left = [], granules
+  for size in sizes:
+    take = math.gcd(size, left)
+    dcn.append(take)
+    left //= take
+  return dcn if left == 1 else None
+
+
+def _fmt(sizes: dict[str, int]) -> str:
+  return ", ".join(f"{axis}={size}" for axis, size in sizes.items())
+
+
+# ----------------------------------------------------------------------------- rules
+
+
+def logical_rules(config: ml_collections.ConfigDict) -> Rules:
+  """`config.sharding.rules` as flax logical-axis rules, checked against the mesh axis names."""
+  rules = []
+  for i, rule in enumerate(config.sharding.rules):
+    if not isinstance(rule, (tuple, list)) or len(rule) != 2 or not isinstance(rule[0], str):
+      raise ValueError(
+          f"config.sharding.rules[{i}]={rule!r}: expected a (logical axis, mesh axes) pair"
+      )
+    logical, target = rule
+    if isinstance(target, (tuple, list)):
+      target = tuple(target)  # config.json round trips turn tuples into lists
+    for axis in target if isinstance(target, tuple) else (target,):
+      if axis is not None and axis not in MESH_AXES:
+        raise ValueError(
+            f"config.sharding.rules[{i}]=({logical!r}, {rule[1]!r}): unknown mesh axis "
+            f"{axis!r}; accepted: {', '.join(MESH_AXES)} or None"
+        )
+    rules.append((logical, target))
+  return tuple(rules)
+
+
+def mesh_axes_of(logical: str, rules: Rules) -> tuple[str, ...]:
+  """The mesh axes the first rule for `logical` maps it to (empty when unsharded)."""
+  for name, target in rules:
+    if name == logical:
+      if target is None:
+        return ()
+      return target if isinstance(target, tuple) else (target,)
+  return ()
+
+
+@contextlib.contextmanager
+def activate(mesh: Mesh, rules: Rules) -> Iterator[None]:
+  """Context in which `nn.with_logical_constraint` and boxed params resolve on `mesh`."""
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    yield
+
+
+def with_rules(fn: Callable[..., Any], mesh: Mesh, rules: Rules) -> Callable[..., Any]:
+  """`fn` traced under `mesh` and `rules`, so its activation constraints apply wherever it is jitted."""
+
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(rules):
+      return fn(*args, **kwargs)
+
+  return wrapped
+
+
+# ----------------------------------------------------------------------------- shardings
+
+
+def _is_box(x: Any) -> bool:
+  return isinstance(x, nn.meta.AxisMetadata)
+
+
+def _key_str(entry: Any) -> str | None:
+  """The name in a pytree path entry that belongs to a params dict (dict keys only)."""
+  if isinstance(entry, jax.tree_util.DictKey):
+    return str(entry.key)
+  return None
+
+
+def _path_str(path: Sequence[Any]) -> str:
+  return "/".join(
+      str(getattr(e, "key", getattr(e, "name", getattr(e, "idx", e)))) for e in path
+  )
+
+
+def _mesh_spec(names: Sequence[str | None], rules: Rules) -> PartitionSpec:
+  return nn.logical_to_mesh_axes(tuple(names), rules)
+
+
+def _check_divisible(what: str, shape: Sequence[int], spec: PartitionSpec, mesh: Mesh,
+                     names: Sequence[str | None] | None = None) -> None:
+  for dim, (size, axes) in enumerate(zip(shape, tuple(spec) + (None,) * len(shape))):
+    if axes is None:
+      continue
+    axes = axes if isinstance(axes, tuple) else (axes,)
+    shards = math.prod(mesh.shape[a] for a in axes)
+    if size % shards:
+      logical = f" ({names[dim]!r})" if names else ""
+      raise ValueError(
+          f"{what}: dim {dim}{logical} of size {size} is not divisible by mesh axes "
+          f"{'x'.join(axes)} = {shards}; change config.mesh or map {names[dim] if names else 'it'}"
+          " to other mesh axes in config.sharding.rules"
+      )
+
+
+def param_shardings(abstract_params: Any, mesh: Mesh, rules: Rules) -> Any:
+  """NamedShardings for a tree of flax-boxed (nn.Partitioned / LogicallyPartitioned) params.
+
+  The result has the unboxed tree's structure. Leaves without logical names are replicated.
+  """
+
+  def one(path, leaf):
+    if not _is_box(leaf):
+      return NamedSharding(mesh, PartitionSpec())
+    names = tuple(leaf.names)
+    spec = _mesh_spec(names, rules) if isinstance(leaf, nn.LogicallyPartitioned) else (
+        leaf.get_partition_spec())
+    _check_divisible(f"param {_path_str(path)}", leaf.value.shape, spec, mesh, names)
+    return NamedSharding(mesh, spec)
+
+  return jax.tree_util.tree_map_with_path(one, abstract_params, is_leaf=_is_box)
+
+
+def _param_table(abstract_params: Any, mesh: Mesh, rules: Rules) -> dict[tuple[str, ...], Any]:
+  """Map each param's dict-key path (without a leading 'params') -> (shape, its sharding)."""
+  boxed = jax.tree_util.tree_flatten_with_path(abstract_params, is_leaf=_is_box)[0]
+  shardings = jax.tree_util.tree_leaves(
+      param_shardings(abstract_params, mesh, rules), is_leaf=lambda x: isinstance(x, NamedSharding)
+  )
+  table = {}
+  for (path, leaf), sharding in zip(boxed, shardings):
+    keys = tuple(k for k in map(_key_str, path) if k is not None)
+    if keys and keys[0] == "params":
+      keys = keys[1:]
+    value = leaf.value if _is_box(leaf) else leaf
+    table[keys] = (tuple(value.shape), sharding)
+  return table
+
+
+def state_shardings(abstract_state: Any, abstract_params: Any, mesh: Mesh, rules: Rules) -> Any:
+  """NamedShardings for any state tree whose leaves are params or per-param statistics.
+
+  Each leaf is matched to the parameter whose key path it contains (the longest such path),
+  so the params inside a TrainState and the optimizer's moments (same shape) take that
+  parameter's sharding: ZeRO-3 when `embed` maps to fsdp. A factored statistic (Adafactor's
+  row/column second moments, one dim fewer) keeps the sharding of the dims it kept. Anything
+  else (step counts, rng keys, scalars) is replicated.
+  """
+  table = _param_table(abstract_params, mesh, rules)
+  replicated_ = replicated(mesh)
+
+  def one(path, leaf):
+    leaf_shape = tuple(getattr(leaf, "shape", ()))
+    if not leaf_shape:
+      return replicated_
+    keys = tuple(k for k in map(_key_str, path) if k is not None)
+    match = _longest_contained(keys, table)
+    if match is None:
+      return replicated_
+    shape, sharding = table[match]
+    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+    if leaf_shape == shape:
+      return NamedSharding(mesh, PartitionSpec(*spec))
+    if len(leaf_shape) == len(shape) - 1:
+      for dropped in reversed(range(len(shape))):
+        if shape[:dropped] + shape[dropped + 1:] == leaf_shape:
+          return NamedSharding(mesh, PartitionSpec(*(spec[:dropped] + spec[dropped + 1:])))
+    return replicated_
+
+  return jax.tree_util.tree_map_with_path(one, nn.meta.unbox(abstract_state))
+
+
+def _longest_contained(keys: tuple[str, ...], table: dict) -> tuple[str, ...] | None:
+  """The longest contiguous run of `keys` that is a key of `table`."""
+  for length in range(len(keys), 0, -1):
+    for start in range(len(keys) - length + 1):
+      if keys[start:start + length] in table:
+        return keys[start:start + length]
+  return None
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Sharding of every batch array: leading (batch) axis split over data and fsdp."""
+  return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  """A full copy on every device (scalars, rng keys, metrics)."""
+  return NamedSharding(mesh, PartitionSpec())
+
+
+def per_device_bytes(abstract_tree: Any, shardings: Any) -> int:
+  """Bytes one device holds of `abstract_tree` laid out as `shardings` (the largest shard)."""
+  leaves = jax.tree_util.tree_leaves(nn.meta.unbox(abstract_tree))
+  sh = jax.tree_util.tree_leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+  if len(leaves) != len(sh):
+    raise ValueError(f"per_device_bytes: {len(leaves)} arrays but {len(sh)} shardings")
+  return sum(
+      math.prod(s.shard_shape(tuple(x.shape))) * np.dtype(x.dtype).itemsize
+      for x, s in zip(leaves, sh)
+  )
+
+
+def total_bytes(abstract_tree: Any) -> int:
+  """Bytes of `abstract_tree` unsharded."""
+  return sum(
+      math.prod(x.shape) * np.dtype(x.dtype).itemsize
+      for x in jax.tree_util.tree_leaves(nn.meta.unbox(abstract_tree))
+  )
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes: int = 1) -> None:
+  """Fail before any compile when the mesh, the model or the batch cannot be sharded as asked.
+
+  Checks: the mesh product equals `num_devices`; every model width that the rules shard
+  (heads, kv heads, mlp, vocab, embed) divides by its mesh axes; the global batch (and each
+  gradient-accumulation micro-batch) divides by the batch axes; across processes, the batch
+  axes split evenly over the processes so that each process feeds only its own rows.
+  """
+  sizes = mesh_shape(config.mesh, num_devices)
+  rules = logical_rules(config)
+
+  def shards(axes: Sequence[str]) -> tuple[int, str]:
+    axes = [a for a in axes if a in sizes]
+    return math.prod(sizes[a] for a in axes), " x ".join(f"config.mesh.{a}={sizes[a]}" for a in axes)
+
+  for field, logical in _MODEL_DIMS:
+    if field not in config.model or not isinstance(config.model[field], int):
+      continue
+    size = config.model[field]
+    n, named = shards(mesh_axes_of(logical, rules))
+    if n > 1 and size % n:
+      raise ValueError(
+          f"config.model.{field}={size} is not divisible by {named} = {n} (config.sharding.rules "
+          f"maps {logical!r} there); pick mesh sizes that divide {size}, or map {logical!r} to "
+          "None in config.sharding.rules"
+      )
+
+  n, named = shards(mesh_axes_of("act_batch", rules))
+  batch = config.data.batch_size
+  accum = config.train.grad_accum_steps
+  if batch % n:
+    raise ValueError(
+        f"config.data.batch_size={batch} (global) is not divisible by the batch axes {named} "
+        f"= {n}; use a multiple of {n}"
+    )
+  if accum > 1 and (batch % accum or (batch // accum) % n):
+    raise ValueError(
+        f"config.data.batch_size={batch} / config.train.grad_accum_steps={accum} must be a whole "
+        f"micro-batch divisible by the batch axes {named} = {n}; use a multiple of {n * accum}"
+    )
+  if num_processes > 1 and n % num_processes:
+    raise ValueError(
+        f"the batch axes {named} = {n} do not split over {num_processes} processes, so a process "
+        f"cannot feed only its own rows; make their product a multiple of {num_processes}"
+    )
+
+
+# ----------------------------------------------------------------------------- dry run
+
+
+def describe_shardings(abstract_params: Any, mesh: Mesh, rules: Rules,
+                       abstract_opt_state: Any = None) -> str:
+  """A table of every parameter's PartitionSpec and the per-device param / optimizer bytes."""
+  p_shardings = param_shardings(abstract_params, mesh, rules)
+  boxed = jax.tree_util.tree_flatten_with_path(abstract_params, is_leaf=_is_box)[0]
+  flat_sh = jax.tree_util.tree_leaves(p_shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
+  rows = [("param", "shape", "logical axes", "PartitionSpec", "per-device shape")]
+  for (path, leaf), sh in zip(boxed, flat_sh):
+    value = leaf.value if _is_box(leaf) else leaf
+    names = tuple(leaf.names) if _is_box(leaf) else ()
+    rows.append((
+        _path_str(path), str(tuple(value.shape)), "(" + ", ".join(map(str, names)) + ")",
+        str(sh.spec), str(sh.shard_shape(tuple(value.shape))),
+    ))
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  lines = [f"mesh: {_fmt(dict(mesh.shape))} ({mesh.size} devices)"]
+  lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+  p_total = total_bytes(abstract_params)
+  p_device = per_device_bytes(abstract_params, p_shardings)
+  lines.append(f"param bytes: {p_total:,} total, {p_device:,} per device")
+  if abstract_opt_state is not None:
+    o_shardings = state_shardings(abstract_opt_state, abstract_params, mesh, rules)
+    o_total = total_bytes(abstract_opt_state)
+    o_device = per_device_bytes(abstract_opt_state, o_shardings)
+    lines.append(f"optimizer state bytes: {o_total:,} total, {o_device:,} per device")
+  return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- multi-host
+
+
+def cluster_detected() -> bool:
+  """Whether JAX's own cluster detection (SLURM, Open MPI, Cloud TPU, k8s) finds a cluster."""
+  # jax.distributed.initialize() consults this registry itself; there is no public query.
+  from jax._src.clusters import ClusterEnv  # pylint: disable=g-import-not-at-top
+
+  return any(
+      env.is_env_present() for env in ClusterEnv._cluster_types  # pylint: disable=protected-access
+      if not env.opt_in_only_method
+  )
+
+
+def initialize_distributed(coordinator_address: str | None = None,
+                           num_processes: int | None = None,
+                           process_id: int | None = None) -> bool:
+  """Start JAX's multi-controller runtime; returns whether it runs multi-process.
+
+  Pass the three arguments for a manual launch (one process per host, the same command
+  everywhere but `process_id`). With none given it initialises only where JAX detects a
+  cluster (SLURM, Open MPI, a Cloud TPU pod slice) and otherwise stays single-process.
+  Call before anything touches a device.
+  """
+  given = (coordinator_address, num_processes, process_id)
+  if all(x is None for x in given):
+    if not cluster_detected():
+      return False
+    jax.distributed.initialize()
+    return jax.process_count() > 1
+  if num_processes is not None and num_processes < 1:
+    raise ValueError(f"--num_processes={num_processes}: expected an int >= 1")
+  if process_id is not None and num_processes is not None and not 0 <= process_id < num_processes:
+    raise ValueError(
+        f"--process_id={process_id}: expected 0 <= process_id < --num_processes={num_processes}"
+    )
+  jax.distributed.initialize(
+      coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
+  )
+  return jax.process_count() > 1
