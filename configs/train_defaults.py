@@ -14,7 +14,6 @@ def train_config() -> ml_collections.ConfigDict:
   c.steps = 1000  # total optimizer steps (batches consumed) of the run
   c.log_every = 50  # write a metrics.jsonl / TensorBoard line every this many steps
   c.eval_every = 500  # evaluate every this many steps (and at the end); 0 = only at the end
-  c.eval_split = "validation"  # data split used for eval_* metrics
   c.eval_batches = 0  # eval batches per evaluation; 0 = the whole split
   c.decode_metrics = ()  # held-out metrics that need greedy decoding: "exact_match", "bleu"
   c.decode_examples = 256  # held-out examples decoded for each decode metric
@@ -49,11 +48,10 @@ def optimizer_config() -> ml_collections.ConfigDict:
 def schedule_config() -> ml_collections.ConfigDict:
   """The `config.schedule` section: the learning-rate schedule."""
   c = ml_collections.ConfigDict()
-  c.name = "warmup_cosine"  # "constant", "paper", "inverse_sqrt", "warmup_cosine", "warmup_linear"
+  c.name = "warmup_cosine"  # constant|paper (reads model.d_model)|inverse_sqrt|warmup_cosine|warmup_linear
   c.warmup_steps = 100  # linear warm-up steps (the paper's and inverse_sqrt's warmup too)
   c.decay_steps = 0  # steps of warm-up + decay for cosine/linear; 0 = train.steps
   c.end_factor = 0.0  # final lr as a fraction of the peak (cosine / linear decay)
-  c.d_model = 512  # d_model of the paper's schedule lr = d_model^-0.5 * min(s^-0.5, s*w^-1.5)
   return c
 
 

@@ -18,7 +18,7 @@ def _cfg(**kw) -> ml_collections.ConfigDict:
 
 @pytest.mark.parametrize("step", [1, 10, 100, 3999, 4000, 4001, 10_000, 100_000])
 def test_paper_schedule_equals_formula(step):
-  sched = schedules.build_schedule(_cfg(name="paper", warmup_steps=4000, d_model=512), 1.0, 10)
+  sched = schedules.build_schedule(_cfg(name="paper", warmup_steps=4000), 1.0, 10, d_model=512)
   expected = 512**-0.5 * min(step**-0.5, step * 4000**-1.5)
   # optax calls the schedule with the count of applied updates: step s uses count s - 1.
   np.testing.assert_allclose(float(sched(step - 1)), expected, rtol=1e-6)

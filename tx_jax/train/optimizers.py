@@ -36,7 +36,8 @@ def build_optimizer(config: ml_collections.ConfigDict) -> tuple[optax.GradientTr
                                                                  optax.Schedule]:
   """The optimizer (clipping included) and its schedule, from the optimizer/schedule sections."""
   opt = config.optimizer
-  schedule = schedules.build_schedule(config.schedule, opt.learning_rate, config.train.steps)
+  schedule = schedules.build_schedule(config.schedule, opt.learning_rate, config.train.steps,
+                                      config.model.d_model)
   mask = lambda params: decay_mask(params, tuple(opt.no_decay))  # noqa: E731
   if opt.grad_clip_norm < 0:
     raise ValueError(f"config.optimizer.grad_clip_norm={opt.grad_clip_norm}: must be >= 0")

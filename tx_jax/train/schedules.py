@@ -29,8 +29,11 @@ def inverse_sqrt_schedule(warmup_steps: int, scale: float = 1.0) -> optax.Schedu
 
 
 def build_schedule(schedule_cfg: ml_collections.ConfigDict, learning_rate: float,
-                   total_steps: int) -> optax.Schedule:
-  """The optax schedule named by `config.schedule.name`; `learning_rate` is its peak/scale."""
+                   total_steps: int, d_model: int = 0) -> optax.Schedule:
+  """The optax schedule named by `config.schedule.name`; `learning_rate` is its peak/scale.
+
+  `d_model` (config.model.d_model) is read by the paper's schedule only.
+  """
   name = schedule_cfg.name
   warmup = schedule_cfg.warmup_steps
   if name not in SCHEDULES:
@@ -46,7 +49,9 @@ def build_schedule(schedule_cfg: ml_collections.ConfigDict, learning_rate: float
   if name == "paper":
     if warmup <= 0:
       raise ValueError(f"config.schedule.warmup_steps={warmup}: the paper's schedule needs > 0")
-    return paper_schedule(schedule_cfg.d_model, warmup, learning_rate)
+    if d_model <= 0:
+      raise ValueError(f"the paper's schedule needs config.model.d_model > 0, got {d_model}")
+    return paper_schedule(d_model, warmup, learning_rate)
   if name == "inverse_sqrt":
     return inverse_sqrt_schedule(max(warmup, 1), learning_rate)
   decay_steps = schedule_cfg.decay_steps or total_steps

@@ -1,0 +1,108 @@
+"""Metric outputs of a run: metrics.jsonl, TensorBoard events, MFU, and the curves plot."""
+
+import json
+import math
+import pathlib
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+TOKEN_KEYS = ("inputs", "encoder_inputs", "decoder_inputs")
+
+
+def batch_tokens(batch: dict) -> int:
+  """Positions the model computes on in a batch (padding included: it costs FLOPs too)."""
+  return int(sum(np.prod(batch[k].shape) for k in TOKEN_KEYS if k in batch))
+
+
+def measure_peak_flops(size: int = 1024, repeats: int = 5) -> float:
+  """Matmul FLOP/s of the default device, measured once in-process (best of `repeats`).
+
+  MFU divides achieved model FLOP/s by this times the device count; on CPU the fake
+  devices share the same cores, so the process's peak is counted once there.
+  """
+  a = jnp.ones((size, size), jnp.float32)
+  matmul = jax.jit(lambda x: x @ x)
+  matmul(a).block_until_ready()
+  best = math.inf
+  for _ in range(repeats):
+    start = time.perf_counter()
+    matmul(a).block_until_ready()
+    best = min(best, time.perf_counter() - start)
+  return 2.0 * size**3 / best
+
+
+def peak_flops(configured: float) -> float:
+  """config.train.peak_flops per device if set, else the measured matmul peak, for the run."""
+  per_device = configured if configured > 0 else measure_peak_flops()
+  devices = 1 if jax.default_backend() == "cpu" else jax.device_count()
+  return per_device * devices
+
+
+class MetricWriter:
+  """Appends metric lines to metrics.jsonl and TensorBoard (process 0 writes)."""
+
+  def __init__(self, workdir: pathlib.Path, start_step: int):
+    self.path = workdir / "metrics.jsonl"
+    self.enabled = jax.process_index() == 0
+    self.tb = None
+    if not self.enabled:
+      return
+    # A resumed run replays the steps after its checkpoint: drop their old lines first.
+    if self.path.exists():
+      kept = [line for line in self.path.read_text().splitlines()
+              if line.strip() and json.loads(line)["step"] <= start_step]
+      self.path.write_text("".join(line + "\n" for line in kept))
+    import tensorboardX  # pylint: disable=g-import-not-at-top  # heavy; only process 0 needs it
+    self.tb = tensorboardX.SummaryWriter(str(workdir / "tensorboard"),
+                                         purge_step=start_step + 1 if start_step else None)
+
+  def write(self, step: int, values: dict[str, Any]) -> None:
+    """One line {"step": step, **values}."""
+    if not self.enabled:
+      return
+    line = {"step": int(step)}
+    line.update({k: (float(v) if isinstance(v, (float, np.floating, np.ndarray, jax.Array))
+                     else v) for k, v in values.items()})
+    with self.path.open("a") as f:
+      f.write(json.dumps(line) + "\n")
+    for key, value in line.items():
+      if key != "step" and isinstance(value, (int, float)):
+        self.tb.add_scalar(key, value, step)
+
+  def close(self) -> None:
+    if self.tb is not None:
+      self.tb.close()
+
+
+def read_metrics(workdir: str | pathlib.Path) -> list[dict]:
+  """The lines of a run's metrics.jsonl."""
+  path = pathlib.Path(workdir) / "metrics.jsonl"
+  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_curves(workdir: str | pathlib.Path) -> pathlib.Path:
+  """curves.png: training loss and every eval metric against step."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  rows = read_metrics(workdir)
+  evals = sorted({k for r in rows for k in r if k.startswith("eval_")})
+  fig, axes = plt.subplots(1, 1 + len(evals), figsize=(4.5 * (1 + len(evals)), 3.5),
+                           squeeze=False)
+  for ax, key in zip(axes[0], ["loss"] + evals):
+    points = [(r["step"], r[key]) for r in rows if key in r and r[key] is not None]
+    if points:
+      ax.plot(*zip(*points), marker="." if key != "loss" else None)
+    ax.set_title(key)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+  fig.tight_layout()
+  out = pathlib.Path(workdir) / "curves.png"
+  fig.savefig(out, dpi=100)
+  plt.close(fig)
+  return out
