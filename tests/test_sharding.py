@@ -63,10 +63,12 @@ def _config(data=-1, fsdp=1, tensor=1, sequence=1, batch=BATCH, accum=1, **model
   config.mesh.update(data=data, fsdp=fsdp, tensor=tensor, sequence=sequence)
   config.sharding = mesh_defaults.sharding_config()
   config.model = ml_collections.ConfigDict(
-      dict(num_heads=HEADS, num_kv_heads=HEADS, mlp_dim=MLP, vocab_size=VOCAB, emb_dim=EMBED)
+      dict(num_heads=HEADS, num_kv_heads=HEADS, mlp_dim=MLP, vocab_size=VOCAB, d_model=EMBED)
   )
   config.model.update(model)
-  config.data = ml_collections.ConfigDict(dict(batch_size=batch))
+  config.data = ml_collections.ConfigDict(dict(
+      global_batch_size=batch, eval_global_batch_size=BATCH, task="lm", seq_len=LEN,
+      source_len=LEN, target_len=LEN))
   config.train = ml_collections.ConfigDict(dict(grad_accum_steps=accum))
   return config
 
@@ -252,8 +254,9 @@ def test_batch_sharding_splits_rows_over_data_and_fsdp():
         (dict(data=4, tensor=2, mlp_dim=33), r"config.model.mlp_dim=33 .* config.mesh.tensor=2"),
         (dict(data=4, tensor=2, vocab_size=31), r"config.model.vocab_size=31 .* config.mesh.tensor=2"),
         (dict(data=2, fsdp=4, batch=12),
-         r"config.data.batch_size=12 .* config.mesh.data=2 x config.mesh.fsdp=4 = 8"),
+         r"config.data.global_batch_size=12 .* config.mesh.data=2 x config.mesh.fsdp=4 = 8"),
         (dict(data=8, batch=16, accum=4), r"grad_accum_steps=4 .* multiple of 32"),
+        (dict(data=1, sequence=8), r"config.data.seq_len=4 .* config.mesh.sequence=8 = 8"),
     ],
 )
 def test_validate_fails_early_naming_fields_and_numbers(kwargs, pattern):
@@ -291,9 +294,15 @@ def reference_step(tiny):
   module, tokens, _ = tiny
   params = nn.meta.unbox(module.init(jax.random.key(0), tokens)["params"])
   tx = optax.adam(1e-2)
-  loss, grads = jax.value_and_grad(_loss)(params, module, tokens)
-  updates, _ = tx.update(grads, tx.init(params), params)
-  return float(loss), optax.apply_updates(params, updates)
+
+  @jax.jit
+  def step(params, tokens):
+    loss, grads = jax.value_and_grad(_loss)(params, module, tokens)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    return loss, optax.apply_updates(params, updates)
+
+  loss, params = step(params, tokens)
+  return float(loss), params
 
 
 @pytest.mark.parametrize("shape", MESHES)

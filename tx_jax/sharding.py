@@ -45,8 +45,9 @@ _MODEL_DIMS = (
     ("num_kv_heads", "kv_heads"),
     ("mlp_dim", "mlp"),
     ("vocab_size", "vocab"),
-    ("emb_dim", "embed"),
+    ("d_model", "embed"),
 )
+_SEQ2SEQ_TASKS = ("seq2seq", "span_corruption")  # config.data.task values with two lengths
 
 
 # ----------------------------------------------------------------------------- mesh
@@ -340,9 +341,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   """Fail before any compile when the mesh, the model or the batch cannot be sharded as asked.
 
   Checks: the mesh product equals `num_devices`; every model width that the rules shard
-  (heads, kv heads, mlp, vocab, embed) divides by its mesh axes; the global batch (and each
-  gradient-accumulation micro-batch) divides by the batch axes; across processes, the batch
-  axes split evenly over the processes so that each process feeds only its own rows.
+  (heads, kv heads, mlp, vocab, d_model) divides by its mesh axes; the global train and eval
+  batches (and each gradient-accumulation micro-batch) divide by the batch axes; sequence
+  lengths divide by the sequence axis; across processes, the batch axes split evenly over
+  the processes so that each process feeds only its own rows.
   """
   sizes = mesh_shape(config.mesh, num_devices)
   rules = logical_rules(config)
@@ -364,23 +366,34 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
       )
 
   n, named = shards(mesh_axes_of("act_batch", rules))
-  batch = config.data.batch_size
   accum = config.train.grad_accum_steps
-  if batch % n:
-    raise ValueError(
-        f"config.data.batch_size={batch} (global) is not divisible by the batch axes {named} "
-        f"= {n}; use a multiple of {n}"
-    )
+  for field in ("global_batch_size", "eval_global_batch_size"):
+    batch = config.data[field]
+    if batch % n:
+      raise ValueError(
+          f"config.data.{field}={batch} is not divisible by the batch axes {named} = {n}; "
+          f"use a multiple of {n}"
+      )
+  batch = config.data.global_batch_size
   if accum > 1 and (batch % accum or (batch // accum) % n):
     raise ValueError(
-        f"config.data.batch_size={batch} / config.train.grad_accum_steps={accum} must be a whole "
-        f"micro-batch divisible by the batch axes {named} = {n}; use a multiple of {n * accum}"
+        f"config.data.global_batch_size={batch} / config.train.grad_accum_steps={accum} must be "
+        f"a whole micro-batch divisible by the batch axes {named} = {n}; use a multiple of "
+        f"{n * accum}"
     )
   if num_processes > 1 and n % num_processes:
     raise ValueError(
         f"the batch axes {named} = {n} do not split over {num_processes} processes, so a process "
         f"cannot feed only its own rows; make their product a multiple of {num_processes}"
     )
+  n, named = shards(mesh_axes_of("act_len", rules))
+  lengths = ("source_len", "target_len") if config.data.task in _SEQ2SEQ_TASKS else ("seq_len",)
+  for field in lengths if n > 1 else ():
+    if config.data[field] % n:
+      raise ValueError(
+          f"config.data.{field}={config.data[field]} is not divisible by the sequence axes "
+          f"{named} = {n}; use a multiple of {n}"
+      )
 
 
 # ----------------------------------------------------------------------------- dry run
