@@ -51,11 +51,12 @@ def validate(data_cfg: ml_collections.ConfigDict, process_count: int = 1) -> Non
     raise ValueError(f"data.num_epochs={data_cfg.num_epochs}; accepted: None (repeat) or > 0")
   if not 0 <= data_cfg.shuffle_seed < 2**32:
     raise ValueError(f"data.shuffle_seed={data_cfg.shuffle_seed} must be in [0, 2**32)")
-  for field in ("lm_shuffle_window", "read_threads", "prefetch_buffer_size"):
+  for field in ("lm_shuffle_window", "prefetch_buffer_size"):
     if data_cfg[field] <= 0:
       raise ValueError(f"data.{field}={data_cfg[field]} must be > 0")
-  if data_cfg.worker_count < 0:
-    raise ValueError(f"data.worker_count={data_cfg.worker_count} must be >= 0")
+  for field in ("worker_count", "read_threads"):
+    if data_cfg[field] < 0:
+      raise ValueError(f"data.{field}={data_cfg[field]} must be >= 0")
   if data_cfg.task == "mlm":
     if data_cfg.seq_len < 3:
       raise ValueError(f"data.seq_len={data_cfg.seq_len} leaves no room for MLM text after [CLS]/[SEP]")
@@ -197,11 +198,13 @@ def build_train_iterator(config: ml_collections.ConfigDict, *, process_index: in
 
   ds = grain.MapDataset.source(records)[process_index::process_count]  # this process's shard
   ds = ds.shuffle(seed=seed).repeat(data_cfg.num_epochs)  # reshuffled every epoch
-  ds = ds.map(functools.partial(record_to_examples, data_cfg=data_cfg, tok=tok))
+  to_examples = functools.partial(record_to_examples, data_cfg=data_cfg, tok=tok)
+  chunked = data_cfg.task in _CHUNKED
+  ds = ds.map(to_examples if chunked else lambda record: to_examples(record)[0])
   ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=data_cfg.read_threads,
                                             prefetch_buffer_size=data_cfg.prefetch_buffer_size))
-  ds = grain.experimental.FlatMapIterDataset(ds, _Flatten())
-  if data_cfg.task in _CHUNKED:  # chunks of one document would otherwise arrive in text order
+  if chunked:  # a document's chunks, window-shuffled: they would otherwise arrive in text order
+    ds = grain.experimental.FlatMapIterDataset(ds, _Flatten())
     ds = grain.experimental.WindowShuffleIterDataset(ds, window_size=data_cfg.lm_shuffle_window,
                                                      seed=seed)
   if data_cfg.task in ("mlm", "span_corruption"):

@@ -10,12 +10,12 @@ from __future__ import annotations
 import csv
 import glob
 import os
+import random
 import zlib
 from collections.abc import Sequence
 from typing import Any
 
 import ml_collections
-import numpy as np
 
 SOURCES = ("synthetic", "tfds", "multi30k", "text_files", "tsv")
 
@@ -87,7 +87,7 @@ def tfds_source(data_cfg: ml_collections.ConfigDict, split: str, builder=None) -
   known = list(builder.info.splits.keys())
   base = split.split("[")[0]
   if known and base not in known:
-    raise ValueError(f"split {split!r} (data.train_split / data.eval_split) is not a split of "
+    raise ValueError(f"split {split!r} (data.train_split / train.eval_split) is not a split of "
                      f"{builder.name!r}; available: {sorted(known)}")
   return KeyedSource(builder.as_data_source(split=split), keys)
 
@@ -177,7 +177,7 @@ class SyntheticSource(Sequence):
 
   def __init__(self, data_cfg: ml_collections.ConfigDict, split: str):
     if split not in self.SPLITS:
-      raise ValueError(f"synthetic split {split!r} (data.train_split / data.eval_split); "
+      raise ValueError(f"synthetic split {split!r} (data.train_split / train.eval_split); "
                        f"accepted: {sorted(self.SPLITS)}")
     if data_cfg.synthetic_task not in ("reverse", "copy"):
       raise ValueError(f"data.synthetic_task={data_cfg.synthetic_task!r}; accepted: 'reverse', 'copy'")
@@ -195,7 +195,7 @@ class SyntheticSource(Sequence):
     if self._size <= 0:
       raise ValueError(f"synthetic split {split!r} has size {self._size}; set "
                        "data.synthetic_train_size / data.synthetic_eval_size > 0")
-    self._alphabet = np.array(list(data_cfg.synthetic_alphabet))
+    self._alphabet = data_cfg.synthetic_alphabet
 
   def __len__(self) -> int:
     return self._size
@@ -207,11 +207,13 @@ class SyntheticSource(Sequence):
     """The source string of example `index` (rejection-sampled into its split's hash bucket)."""
     if not 0 <= index < self._size:
       raise IndexError(f"synthetic index {index} outside [0, {self._size})")
-    rng = np.random.default_rng([self._cfg.synthetic_seed, self._split, index])
+    # Python's Mersenne Twister seeded by an int is stable across versions and ~20x cheaper
+    # to create than a numpy Generator, which matters at thousands of examples a second.
+    rng = random.Random((self._cfg.synthetic_seed * 4 + self._split) * 2**40 + index)
+    lo, hi, alphabet = self._cfg.synthetic_min_len, self._cfg.synthetic_max_len, self._alphabet
     want_held_out = self._split != 0
     while True:
-      n = rng.integers(self._cfg.synthetic_min_len, self._cfg.synthetic_max_len + 1)
-      s = "".join(rng.choice(self._alphabet, size=n))
+      s = "".join(rng.choices(alphabet, k=rng.randint(lo, hi)))
       if self._held_out(s) == want_held_out:
         return s
 
