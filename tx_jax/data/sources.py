@@ -46,6 +46,10 @@ class KeyedSource(Sequence):
   def __len__(self) -> int:
     return len(self._records)
 
+  def __iter__(self):
+    # Sequence's default iterates until IndexError; array_record raises ValueError instead.
+    return (self[i] for i in range(len(self)))
+
   def __getitem__(self, index: int) -> dict:
     record = self._records[index]
     out = {k: _as_str(record[f]) for k, f in self._keys.items() if k != "label"}
