@@ -109,3 +109,15 @@ def test_tiny_shakespeare_real_lm(data_dir, tfds_dir):
   evals = data.build_eval_batches(cfg, "validation", process_index=0, process_count=1)
   ((val_text, _),) = data.eval_examples(cfg, "validation")
   assert sum(b["weights"].sum() for b in evals) == len(tok.encode(val_text))  # all but the first
+
+
+def test_multi30k_real_files(data_dir, tfds_dir):
+  """The shared raw files: published sizes, and record i is line i of the .gz pair."""
+  cfg = make_config(source="multi30k", manual_dir=str(data_dir / "multi30k"), tfds_data_dir=tfds_dir)
+  sizes = {split: len(sources.build_source(cfg.data, split))
+           for split in ("train", "validation", "test2016")}
+  assert sizes == {"train": 29000, "validation": 1014, "test2016": 1000}
+  with gzip.open(data_dir / "multi30k" / "test_2016_flickr.de.gz", "rt", encoding="utf-8") as f:
+    de = f.read().splitlines()
+  pairs = data.eval_examples(cfg, "test2016")
+  assert [s for s, _ in pairs] == de

@@ -39,6 +39,7 @@ class Multi30k(tfds.core.GeneratorBasedBuilder):
         features=tfds.features.FeaturesDict({"de": tfds.features.Text(),
                                              "en": tfds.features.Text()}),
         supervised_keys=("de", "en"),
+        disable_shuffling=True,  # record i is line i of the raw files, as published
         homepage="https://github.com/multi30k/dataset",
     )
 
