@@ -14,6 +14,7 @@ def train_config() -> ml_collections.ConfigDict:
   c.steps = 1000  # total optimizer steps (batches consumed) of the run
   c.log_every = 50  # write a metrics.jsonl / TensorBoard line every this many steps
   c.eval_every = 500  # evaluate every this many steps (and at the end); 0 = only at the end
+  c.eval_split = "validation"  # data split the eval_* metrics are computed on
   c.eval_batches = 0  # eval batches per evaluation; 0 = the whole split
   c.decode_metrics = ()  # held-out metrics that need greedy decoding: "exact_match", "bleu"
   c.decode_examples = 256  # held-out examples decoded for each decode metric

@@ -32,14 +32,14 @@ class Evaluator:
 
   def _eval_batches(self) -> list[dict]:
     if self._batches is None:
-      batches = data.build_eval_batches(self.config, self.config.data.eval_split)
+      batches = data.build_eval_batches(self.config, self.config.train.eval_split)
       limit = self.config.train.eval_batches
       self._batches = batches[:limit] if limit else batches
     return self._batches
 
   def _decode_pairs(self) -> list[tuple[str, str]]:
     if self._pairs is None:
-      pairs = data.eval_examples(self.config, self.config.data.eval_split)
+      pairs = data.eval_examples(self.config, self.config.train.eval_split)
       self._pairs = pairs[:self.config.train.decode_examples]
     return self._pairs
 

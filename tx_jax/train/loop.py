@@ -182,15 +182,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     state = jax.jit(init_fn, out_shardings=shardings)()
     start, pending_batch = 0, first_batch
 
+  # Activation constraints are not activated (sharding.with_rules): under a mesh, flax's
+  # apply-time param shape check re-runs DenseGeneral's boxed init, whose reshape of a
+  # rank-3 kernel fails the rank-3 constraint. in/out shardings alone place every array.
   train_step = jax.jit(
-      sharding.with_rules(functools.partial(
+      functools.partial(
           steps.train_step, apply_fn=apply_fn, tx=tx, schedule=schedule,
           label_smoothing=config.loss.label_smoothing, z_loss=config.loss.z_loss,
-          grad_accum_steps=config.train.grad_accum_steps), mesh, rules),
+          grad_accum_steps=config.train.grad_accum_steps),
       in_shardings=(shardings, batch_sharding), out_shardings=(shardings, replicated),
       donate_argnums=0)
   eval_step = jax.jit(
-      sharding.with_rules(functools.partial(steps.eval_step, apply_fn=apply_fn), mesh, rules),
+      functools.partial(steps.eval_step, apply_fn=apply_fn),
       in_shardings=(shardings.params, batch_sharding), out_shardings=replicated)
   evaluator = evaluation.Evaluator(config, module, eval_step, to_global, replicated)
 
