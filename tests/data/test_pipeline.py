@@ -68,8 +68,8 @@ def test_no_attention_across_documents(text_file):
   for r in range(seg.shape[0]):
     for t in np.flatnonzero(seg[r]):
       visible = b["inputs"][r][mask[r, t] & (np.arange(seg.shape[1]) <= t)]
-      text = tok.decode(visible)
-      assert any(text in doc + "\n" or doc.startswith(text) or text in doc for doc in DOCS)
+      text = tok.decode(visible)  # a leak would splice two documents: in none of them
+      assert any(text in doc for doc in DOCS), text
 
 
 @pytest.mark.parametrize("overrides,steps", [

@@ -63,3 +63,21 @@ def test_bad_tokenizer_config_names_field(tmp_path):
   with pytest.raises(FileNotFoundError, match="data.spm_model_path"):
     tokenizers.build_tokenizer(make_config(tokenizer="sentencepiece",
                                            spm_model_path=str(tmp_path / "no.model")).data)
+
+
+def test_train_tokenizer_command(tmp_path, corpus):
+  """`python -m experiments.train_tokenizer --config=...` trains on the configured files."""
+  import pathlib
+  import subprocess
+  import sys
+  _, lines = corpus
+  text = tmp_path / "corpus.txt"
+  text.write_text("\n".join(lines), encoding="utf-8")
+  root = pathlib.Path(__file__).resolve().parents[2]
+  subprocess.run(
+      [sys.executable, "-m", "experiments.train_tokenizer", "--config=configs/transformer.py",
+       "--config.data.source=text_files", "--config.data.task=lm",
+       f"--config.data.train_files={text}", "--config.data.vocab_size=60",
+       f"--model_prefix={tmp_path / 'cli'}"], cwd=root, check=True, capture_output=True)
+  tok = tokenizers.SentencePieceTokenizer(str(tmp_path / "cli.model"))
+  assert tok.decode(tok.encode(lines[7])) == lines[7] and tok.mask_id == 4

@@ -12,7 +12,7 @@ import glob
 import os
 import random
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import ml_collections
@@ -242,3 +242,11 @@ def build_source(data_cfg: ml_collections.ConfigDict, split: str) -> Sequence[di
   if data_cfg.source == "tsv":
     return TsvSource(data_cfg, split)
   raise ValueError(f"data.source={data_cfg.source!r}; accepted: {', '.join(SOURCES)}")
+
+
+def texts(data_cfg: ml_collections.ConfigDict, split: str) -> Iterator[str]:
+  """Every text of a split, whatever the task reads (tokenizer training input)."""
+  for record in build_source(data_cfg, split):
+    for key in ("text", "text_pair", "source", "target"):
+      if key in record:
+        yield record[key]
