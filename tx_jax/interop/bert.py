@@ -65,7 +65,7 @@ def _write(c: ModelConfig) -> dict[str, Any]:
         max_position_embeddings=c.max_len, type_vocab_size=c.type_vocab_size,
         hidden_dropout_prob=c.dropout_rate, attention_probs_dropout_prob=c.attention_dropout_rate,
         classifier_dropout=None, initializer_range=c.init_std, tie_word_embeddings=True,
-        position_embedding_type="absolute", is_decoder=False, add_cross_attention=False)
+        is_decoder=False, add_cross_attention=False)
     if c.head == "classification":
         values["id2label"] = {str(i): f"LABEL_{i}" for i in range(c.num_classes)}
         values["label2id"] = {f"LABEL_{i}": i for i in range(c.num_classes)}

@@ -40,7 +40,8 @@ def _gpt2_read(hf: HFConfig, weights: Weights) -> dict[str, Any]:
 def _gpt2_write(c: ModelConfig) -> dict[str, Any]:
     return dict(
         vocab_size=c.vocab_size, n_embd=c.d_model, n_layer=c.num_layers, n_head=c.num_heads,
-        n_inner=c.mlp_dim, activation_function=R.activation_to_hf(c.mlp_activation, "GPT-2"),
+        n_inner=None if c.mlp_dim == 4 * c.d_model else c.mlp_dim,
+        activation_function=R.activation_to_hf(c.mlp_activation, "GPT-2"),
         layer_norm_epsilon=c.norm_eps, n_positions=c.max_len,
         tie_word_embeddings=c.tie_embeddings, scale_attn_weights=c.scale_attention,
         resid_pdrop=c.dropout_rate, embd_pdrop=c.dropout_rate,

@@ -56,7 +56,7 @@ def _read(hf: HFConfig, weights: Weights) -> dict[str, Any]:
         tied_output_rescale=bool(scale), attention_bias=False, mlp_bias=False,
         scale_attention=False, dropout_rate=dropout, attention_dropout_rate=dropout,
         mlp_inner_dropout_rate=dropout, init="normal",
-        init_std=hf.get("initializer_factor", 1.0) * d_model ** -0.5)
+        init_std=hf.get("initializer_factor", 1.0) / d_model ** 0.5)
 
 
 def _write(c: ModelConfig) -> dict[str, Any]:
@@ -74,7 +74,7 @@ def _write(c: ModelConfig) -> dict[str, Any]:
         dropout_rate=c.dropout_rate, layer_norm_epsilon=c.norm_eps, feed_forward_proj=proj,
         tie_word_embeddings=c.tie_embeddings,
         scale_decoder_outputs=c.tie_embeddings and c.tied_output_rescale,
-        initializer_factor=c.init_std * c.d_model ** 0.5, is_encoder_decoder=True,
+        initializer_factor=round(c.init_std * c.d_model ** 0.5, 12), is_encoder_decoder=True,
         decoder_start_token_id=0, n_positions=c.max_len)
 
 
