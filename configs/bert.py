@@ -6,7 +6,7 @@ Usage: --config=configs/bert.py:base (large, tiny). Presets carry the MLM head; 
 
 import ml_collections
 
-from configs import common
+from configs import common, train_defaults
 
 
 def _bert(d_model: int, num_layers: int, num_heads: int) -> ml_collections.ConfigDict:
@@ -26,6 +26,52 @@ def _bert(d_model: int, num_layers: int, num_heads: int) -> ml_collections.Confi
     m.attention_bias = m.mlp_bias = True
     m.dropout_rate = m.attention_dropout_rate = 0.1
     m.init_std = 0.02
+    _bert_training(config)
+    return config
+
+
+# --- training setups (owned by the trainer; see configs/train_defaults.py) ---
+def _bert_training(config: ml_collections.ConfigDict) -> None:
+    """Devlin et al. A.2: Adam lr 1e-4, (0.9, 0.999), wd 0.01 except LayerNorm and biases,
+    warm-up 10k steps then linear decay over 1M steps; clip 1.0 (the reference code)."""
+    o, s = config.optimizer, config.schedule
+    o.name, o.learning_rate, o.b1, o.b2, o.eps = "adamw", 1e-4, 0.9, 0.999, 1e-6
+    o.weight_decay, o.grad_clip_norm, o.no_decay = 0.01, 1.0, ("bias", "scale")
+    s.name, s.warmup_steps, s.end_factor = "warmup_linear", 10_000, 0.0
+    config.train.steps = 1_000_000
+
+
+def _cpu_training(config: ml_collections.ConfigDict) -> None:
+    """The BERT recipe scaled to minutes on 2 CPU cores."""
+    o, s, t = config.optimizer, config.schedule, config.train
+    o.learning_rate = 1e-3
+    s.warmup_steps = 100
+    t.steps, t.log_every, t.eval_every, t.eval_batches = 1000, 50, 250, 8
+    config.data.seq_len, config.data.global_batch_size = 128, 32
+    config.data.eval_global_batch_size = 32
+    config.checkpoint.every = 500
+
+
+def tiny_mlm() -> ml_collections.ConfigDict:
+    """tiny pre-trained with MLM on Tiny Shakespeare; eval_accuracy is masked-token accuracy."""
+    config = tiny()
+    train_defaults.tiny_shakespeare(config, task="mlm")
+    return config
+
+
+def tiny_sst2() -> ml_collections.ConfigDict:
+    """tiny fine-tuned for sentence classification on TFDS glue/sst2 (Devlin et al. 4.1:
+    lr 2e-5..5e-5, batch 32, 3 epochs; here a CPU-sized lr and step count)."""
+    config = tiny()
+    m, d, o, s, t = config.model, config.data, config.optimizer, config.schedule, config.train
+    m.head, m.num_classes = "classification", 2
+    d.source, d.task, d.tfds_name = "tfds", "classification", "glue/sst2"
+    d.text_key, d.label_key, d.text_pair_key = "sentence", "label", ""
+    d.seq_len = 64
+    o.learning_rate, o.weight_decay = 5e-4, 0.01
+    s.name, s.warmup_steps = "warmup_linear", 100
+    t.steps, t.eval_every = 1000, 250
+    t.eval_split = "validation"
     return config
 
 
@@ -35,6 +81,7 @@ def tiny() -> ml_collections.ConfigDict:
     config.model.vocab_size = 360  # byte tokenizer: 4 specials + 256 bytes + 100 sentinels
     config.model.max_len = 256
     config.model.dropout_rate = config.model.attention_dropout_rate = 0.0
+    _cpu_training(config)
     return config
 
 
@@ -42,6 +89,8 @@ PRESETS = {
     "base": lambda: _bert(768, 12, 12),
     "large": lambda: _bert(1024, 24, 16),
     "tiny": tiny,
+    "tiny-mlm": tiny_mlm,
+    "tiny-sst2": tiny_sst2,
 }
 
 

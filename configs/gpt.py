@@ -7,7 +7,7 @@ TinyLlama-1.1B shape (LLaMA-2 architecture, GQA with 4 KV heads).
 
 import ml_collections
 
-from configs import common
+from configs import common, train_defaults
 
 
 def _gpt2(d_model: int, num_layers: int, num_heads: int) -> ml_collections.ConfigDict:
@@ -24,6 +24,7 @@ def _gpt2(d_model: int, num_layers: int, num_heads: int) -> ml_collections.Confi
     m.attention_bias = m.mlp_bias = True
     m.dropout_rate = m.attention_dropout_rate = 0.1
     m.init_std = 0.02
+    _decoder_training(config)
     return config
 
 
@@ -40,6 +41,38 @@ def _llama(vocab_size: int, d_model: int, num_layers: int, num_heads: int, num_k
     m.tie_embeddings = tie
     m.attention_bias = m.mlp_bias = False
     m.dropout_rate = m.attention_dropout_rate = 0.0
+    _decoder_training(config)
+    return config
+
+
+# --- training setups (owned by the trainer; see configs/train_defaults.py) ---
+def _decoder_training(config: ml_collections.ConfigDict) -> None:
+    """AdamW(0.9, 0.95), wd 0.1 on matrices only, warm-up 2000 then cosine to 10%, clip 1.0:
+    the GPT-2/3 recipe as nanoGPT reproduces it, and LLaMA's (Touvron et al. 2023, 2.2)."""
+    o, s = config.optimizer, config.schedule
+    o.name, o.learning_rate, o.b1, o.b2, o.eps = "adamw", 6e-4, 0.9, 0.95, 1e-8
+    o.weight_decay, o.grad_clip_norm = 0.1, 1.0
+    o.no_decay = ("bias", "scale", "embedding")
+    s.name, s.warmup_steps, s.end_factor = "warmup_cosine", 2000, 0.1
+    config.train.steps = 600_000
+
+
+def _cpu_lm_training(config: ml_collections.ConfigDict) -> None:
+    """The GPT-2 recipe scaled to minutes on 2 CPU cores."""
+    o, s, t = config.optimizer, config.schedule, config.train
+    o.learning_rate, o.b2 = 2e-3, 0.99
+    s.warmup_steps = 50
+    t.steps, t.log_every, t.eval_every, t.eval_batches = 1000, 50, 250, 8
+    config.data.seq_len, config.data.global_batch_size = 128, 32
+    config.data.eval_global_batch_size = 32
+    config.checkpoint.every = 500
+
+
+def tiny_shakespeare() -> ml_collections.ConfigDict:
+    """tiny on Tiny Shakespeare, byte-level; eval_bits_per_byte on the validation split."""
+    config = tiny()
+    train_defaults.tiny_shakespeare(config, task="lm")
+    _cpu_lm_training(config)
     return config
 
 
@@ -49,6 +82,7 @@ def tiny() -> ml_collections.ConfigDict:
     config.model.vocab_size = 360  # byte tokenizer: 4 specials + 256 bytes + 100 sentinels
     config.model.max_len = 256
     config.model.dropout_rate = config.model.attention_dropout_rate = 0.0
+    _cpu_lm_training(config)
     return config
 
 
@@ -67,6 +101,7 @@ PRESETS = {
                                num_kv_heads=4, mlp_dim=5632, max_len=2048, tie=False),
     "llama-tiny": llama_tiny,
     "tiny": tiny,
+    "tiny-shakespeare": tiny_shakespeare,
 }
 
 

@@ -5,7 +5,7 @@ positions, unscaled attention logits. Usage: --config=configs/t5.py:t5-small.
 
 import ml_collections
 
-from configs import common
+from configs import common, train_defaults
 
 
 def _t5(d_model: int, num_layers: int, num_heads: int, mlp_dim: int,
@@ -30,6 +30,36 @@ def _t5(d_model: int, num_layers: int, num_heads: int, mlp_dim: int,
         m.tie_embeddings, m.tied_output_rescale = True, True
         m.dropout_rate = m.mlp_inner_dropout_rate = 0.1
     m.init_std = 1.0 / d_model ** 0.5
+    _t5_training(config)
+    return config
+
+
+# --- training setups (owned by the trainer; see configs/train_defaults.py) ---
+def _t5_training(config: ml_collections.ConfigDict) -> None:
+    """Raffel et al. 3.1.2: Adafactor, lr = 1/sqrt(max(step, 10^4)), no clipping beyond
+    Adafactor's own update clipping, no weight decay; 2^19 pre-training steps."""
+    o, s = config.optimizer, config.schedule
+    o.name, o.learning_rate, o.weight_decay, o.grad_clip_norm = "adafactor", 1.0, 0.0, 0.0
+    o.adafactor_decay_rate, o.adafactor_clipping_threshold = 0.8, 1.0
+    o.adafactor_factored, o.adafactor_param_scale = True, True
+    s.name, s.warmup_steps = "inverse_sqrt", 10_000
+    config.train.steps = 2**19
+
+
+def _cpu_training(config: ml_collections.ConfigDict) -> None:
+    """The T5 recipe scaled to minutes on 2 CPU cores: inverse sqrt with a 100-step plateau."""
+    s, t = config.schedule, config.train
+    s.warmup_steps = 100
+    t.steps, t.log_every, t.eval_every, t.eval_batches = 1000, 50, 250, 8
+    config.data.global_batch_size = config.data.eval_global_batch_size = 32
+    config.checkpoint.every = 500
+
+
+def tiny_span() -> ml_collections.ConfigDict:
+    """tiny pre-trained with span corruption (density 0.15, mean span 3) on Tiny Shakespeare."""
+    config = tiny()
+    train_defaults.tiny_shakespeare(config, task="span_corruption")
+    config.data.source_len, config.data.target_len = 128, 32
     return config
 
 
@@ -38,6 +68,7 @@ def tiny() -> ml_collections.ConfigDict:
     config = _t5(d_model=128, num_layers=2, num_heads=4, mlp_dim=256, v1_1=True)
     config.model.vocab_size = 360  # byte tokenizer: 4 specials + 256 bytes + 100 sentinels
     config.model.head_dim = 32
+    _cpu_training(config)
     return config
 
 
@@ -48,6 +79,7 @@ PRESETS = {
     "t5.1.1-small": lambda: _t5(512, 8, 6, 1024, v1_1=True),
     "t5.1.1-base": lambda: _t5(768, 12, 12, 2048, v1_1=True),
     "tiny": tiny,
+    "tiny-span": tiny_span,
 }
 
 

@@ -75,3 +75,18 @@ def checkpoint_config() -> ml_collections.ConfigDict:
   c.on_corrupt = "fallback"  # damaged newest checkpoint: "fallback" to an older one or "stop"
   c.resume = True  # resume from the latest checkpoint in the workdir if there is one
   return c
+
+
+def tiny_shakespeare(config: ml_collections.ConfigDict, task: str) -> None:
+  """Points `config.data` at Tiny Shakespeare through TFDS's own builder, offline.
+
+  The raw file comes from $TX_JAX_DATA_DIR/tinyshakespeare (default ../shared/data), the
+  very file TFDS downloads; override --config.data.manual_dir on another machine.
+  """
+  import os  # pylint: disable=g-import-not-at-top
+  root = os.environ.get("TX_JAX_DATA_DIR", "../shared/data")
+  d = config.data
+  d.source, d.task, d.tfds_name, d.text_key = "tfds", task, "tiny_shakespeare", "text"
+  d.manual_dir = os.path.join(root, "tinyshakespeare")
+  d.train_split = "train"
+  config.train.eval_split = "validation"

@@ -1,0 +1,126 @@
+"""tx_jax.checkpoint: keep last K + best, damaged-checkpoint fallback / stop, finite-only saves."""
+
+import os
+import pathlib
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import train_defaults
+from tx_jax import checkpoint
+
+
+def _state(seed: float):
+  return {"w": jnp.arange(4096, dtype=jnp.float32).reshape(64, 64) * seed,
+          "b": jnp.full((7,), seed, jnp.bfloat16), "step": jnp.int32(seed),
+          "rng": jax.random.PRNGKey(int(seed))}
+
+
+def _abstract(state):
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), state)
+
+
+def _iterator():
+  return iter(grain.MapDataset.range(1000).shuffle(seed=3).batch(4).to_iter_dataset())
+
+
+def _manager(tmp_path, **kw):
+  cfg = train_defaults.checkpoint_config()
+  cfg.update(kw)
+  return checkpoint.Checkpointer(tmp_path / "checkpoints", cfg)
+
+
+def _equal(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _save_steps(ck, steps, metrics=None):
+  it = _iterator()
+  for s in steps:
+    next(it)
+    ck.save(s, _state(float(s)), it, metrics=None if metrics is None else metrics[s])
+  ck.wait()
+  return it
+
+
+def test_restores_state_and_iterator_exactly(tmp_path):
+  ck = _manager(tmp_path)
+  it = _save_steps(ck, [1, 2])
+  expected_next = next(it)
+  fresh = _iterator()
+  state, step = ck.restore_latest(_abstract(_state(0.0)), fresh)
+  assert step == 2
+  _equal(state, _state(2.0))
+  np.testing.assert_array_equal(next(fresh), expected_next)
+  ck.close()
+
+
+def test_keeps_last_k_plus_best(tmp_path):
+  ck = _manager(tmp_path, keep=2, best_metric="eval_loss", best_mode="min")
+  losses = {1: 5.0, 2: 1.0, 3: 4.0, 4: 3.0, 5: 6.0}
+  _save_steps(ck, sorted(losses), {s: {"eval_loss": v} for s, v in losses.items()})
+  assert sorted(ck.manager.all_steps()) == [2, 4, 5]  # best (2) + the last two
+  ck.close()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete", "flip"])
+def test_damaged_newest_falls_back_to_previous(tmp_path, damage, caplog):
+  ck = _manager(tmp_path)
+  _save_steps(ck, [1, 2])
+  files = sorted((p for p in (tmp_path / "checkpoints" / "2" / "state").rglob("*")
+                  if p.is_file()), key=lambda p: p.stat().st_size)
+  biggest = files[-1]
+  if damage == "truncate":
+    os.truncate(biggest, biggest.stat().st_size // 2)
+  elif damage == "delete":
+    for f in files:
+      f.unlink()
+  else:  # flip bytes in the middle of the array data; no reader error, just wrong values
+    raw = bytearray(biggest.read_bytes())
+    mid = len(raw) // 2
+    raw[mid:mid + 8] = bytes(b ^ 0xFF for b in raw[mid:mid + 8])
+    biggest.write_bytes(bytes(raw))
+  with caplog.at_level("WARNING"):
+    state, step = _manager(tmp_path).restore_latest(_abstract(_state(0.0)), _iterator())
+  assert step == 1
+  _equal(state, _state(1.0))
+  assert "checkpoint step 2" in caplog.text and "damaged" in caplog.text
+  assert (tmp_path / "checkpoints_damaged" / "2").is_dir()
+
+
+def test_damaged_newest_stops_naming_the_step(tmp_path):
+  ck = _manager(tmp_path)
+  _save_steps(ck, [1, 2])
+  for f in (tmp_path / "checkpoints" / "2" / "state").rglob("*"):
+    if f.is_file():
+      f.unlink()
+  with pytest.raises(checkpoint.CheckpointError, match=r"checkpoint step 2 .* damaged"):
+    _manager(tmp_path, on_corrupt="stop").restore_latest(_abstract(_state(0.0)), _iterator())
+
+
+def test_never_saves_non_finite(tmp_path):
+  ck = _manager(tmp_path)
+  _save_steps(ck, [1])
+  bad = _state(2.0)
+  bad["w"] = bad["w"].at[3, 3].set(jnp.nan)
+  with pytest.raises(checkpoint.CheckpointError, match="NaN or Inf.*last good checkpoint is step 1"):
+    ck.save(2, bad, _iterator())
+  ck.wait()
+  assert ck.manager.all_steps() == [1]
+  ck.close()
+
+
+def test_fingerprint_sees_moved_and_changed_values():
+  x = jnp.arange(12, dtype=jnp.float32).reshape(3, 4)
+  base, finite = checkpoint.fingerprint([x])
+  assert bool(finite)
+  swapped, _ = checkpoint.fingerprint([x[::-1]])
+  changed, _ = checkpoint.fingerprint([x.at[1, 1].add(1e-6)])
+  assert int(base[0]) != int(swapped[0]) and int(base[0]) != int(changed[0])
+  _, finite = checkpoint.fingerprint([x.at[0, 0].set(jnp.inf)])
+  assert not bool(finite)
