@@ -45,7 +45,7 @@ def data_config() -> ml_collections.ConfigDict:
   # lm / mlm / span chunks are shuffled within windows of this many (grain's index_shuffle costs
   # ~window**-1: 1024 -> ~0.1 ms per chunk, 16 -> ~6 ms).
   c.lm_shuffle_window = 1024
-  c.worker_count = 0  # grain worker processes (0: in-process, best on few cores)
+  c.worker_count = 0  # grain worker processes (0: in-process, best on few cores; >0 needs absl flags parsed)
   c.read_threads = 0  # grain threads reading + tokenizing ahead (0: in the consumer; best on 2 cores)
   c.prefetch_buffer_size = 64  # records those threads read ahead
   # --- MLM (BERT) ---

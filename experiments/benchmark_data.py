@@ -26,7 +26,7 @@ _DATA_DIR = flags.DEFINE_string(
     "Offline data folder holding tinyshakespeare/input.txt.")
 _TFDS_DIR = flags.DEFINE_string("tfds_data_dir", None, "TFDS data_dir (None: TFDS default).")
 _BATCHES = flags.DEFINE_integer("batches", 200, "Pipeline batches timed.")
-_STEPS = flags.DEFINE_integer("steps", 20, "Train steps timed; 0 skips the step measurement.")
+_STEPS = flags.DEFINE_integer("steps", 10, "Train steps timed; 0 skips the step measurement.")
 _OUTPUT = flags.DEFINE_string("output", "bench_out/data.json", "JSON written here.")
 
 
