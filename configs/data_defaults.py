@@ -13,8 +13,8 @@ def data_config() -> ml_collections.ConfigDict:
   # splits: train | validation | test2016; synthetic: train | validation | test
   # --- TFDS (source="tfds"; data_dir / manual_dir also serve source="multi30k") ---
   c.tfds_name = ""  # any TFDS name, e.g. "tiny_shakespeare", "glue/sst2"
-  c.tfds_data_dir = ml_collections.config_dict.placeholder(str)  # TFDS data_dir (None: TFDS default)
-  c.manual_dir = ml_collections.config_dict.placeholder(str)  # downloaded raw files for offline preparation
+  c.tfds_data_dir = ml_collections.config_dict.placeholder(str)  # None: TFDS's default dir
+  c.manual_dir = ml_collections.config_dict.placeholder(str)  # raw files for offline preparation
   # --- feature keys (TFDS features, or TSV header columns) ---
   c.text_key = "text"  # text feature for lm / mlm / span_corruption / classification
   c.text_pair_key = ""  # second sentence for pair classification ("" = single sentence)
@@ -45,8 +45,8 @@ def data_config() -> ml_collections.ConfigDict:
   # lm / mlm / span chunks are shuffled within windows of this many (grain's index_shuffle costs
   # ~window**-1: 1024 -> ~0.1 ms per chunk, 16 -> ~6 ms).
   c.lm_shuffle_window = 1024
-  c.worker_count = 0  # grain worker processes (0: in-process, best on few cores; >0 needs absl flags parsed)
-  c.read_threads = 0  # grain threads reading + tokenizing ahead (0: in the consumer; best on 2 cores)
+  c.worker_count = 0  # grain worker processes (0: in-process; > 0 needs absl flags parsed)
+  c.read_threads = 0  # grain threads reading + tokenizing ahead (0: in the consumer; 2-core best)
   c.prefetch_buffer_size = 64  # records those threads read ahead
   # --- MLM (BERT) ---
   c.mlm_probability = 0.15  # fraction of non-special tokens selected

@@ -49,7 +49,8 @@ def train_step_rate(config, batch: dict, steps: int) -> float | None:
   try:
     import jax  # pylint: disable=g-import-not-at-top
     from tx_jax import models  # pylint: disable=g-import-not-at-top
-    from tx_jax.train import loop, optimizers, state as state_lib, steps as steps_lib  # pylint: disable=g-import-not-at-top
+    from tx_jax.train import loop, optimizers  # pylint: disable=g-import-not-at-top
+    from tx_jax.train import state as state_lib, steps as steps_lib  # pylint: disable=g-import-not-at-top
   except ImportError:
     return None
   import functools  # pylint: disable=g-import-not-at-top
@@ -92,7 +93,7 @@ def main(argv) -> None:
       "batch_shape": list(batch["inputs"].shape),
       "train_steps_per_s": step,
       "pipeline_to_step_ratio": None if step is None else pipe / step,
-      "note": None if step is not None else "tx_jax.train absent or --steps=0: step rate not measured",
+      "note": None if step is not None else "tx_jax.train absent or --steps=0: no step rate",
       "config": {"seq_len": d.seq_len, "global_batch_size": d.global_batch_size,
                  "read_threads": d.read_threads, "worker_count": d.worker_count},
   }

@@ -56,7 +56,8 @@ class Multi30k(tfds.core.GeneratorBasedBuilder):
     files = self._manual_files(dl_manager)
     if files is None:
       # Keep the .gz as is: _read_lines decompresses, so the cached file matches the manual one.
-      files = {n: os.fspath(p) for n, p in dl_manager.download({n: _URL + n for n in RAW_FILES}).items()}
+      downloaded = dl_manager.download({n: _URL + n for n in RAW_FILES})
+      files = {n: os.fspath(p) for n, p in downloaded.items()}
     return {split: self._generate_examples(files[f"{stem}.de.gz"], files[f"{stem}.en.gz"])
             for split, stem in _SPLITS.items()}
 

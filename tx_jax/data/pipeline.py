@@ -59,7 +59,8 @@ def validate(data_cfg: ml_collections.ConfigDict, process_count: int = 1) -> Non
       raise ValueError(f"data.{field}={data_cfg[field]} must be >= 0")
   if data_cfg.task == "mlm":
     if data_cfg.seq_len < 3:
-      raise ValueError(f"data.seq_len={data_cfg.seq_len} leaves no room for MLM text after [CLS]/[SEP]")
+      raise ValueError(f"data.seq_len={data_cfg.seq_len} leaves no room for MLM text "
+                       "after [CLS]/[SEP]")
     fractions = (data_cfg.mlm_probability, data_cfg.mlm_mask_fraction, data_cfg.mlm_random_fraction)
     if not (0 < fractions[0] <= 1 and min(fractions[1:]) >= 0 and sum(fractions[1:]) <= 1):
       raise ValueError(f"data.mlm_probability / mlm_mask_fraction / mlm_random_fraction={fractions}"

@@ -184,7 +184,8 @@ class SyntheticSource(Sequence):
       raise ValueError(f"synthetic split {split!r} (data.train_split / train.eval_split); "
                        f"accepted: {sorted(self.SPLITS)}")
     if data_cfg.synthetic_task not in ("reverse", "copy"):
-      raise ValueError(f"data.synthetic_task={data_cfg.synthetic_task!r}; accepted: 'reverse', 'copy'")
+      raise ValueError(f"data.synthetic_task={data_cfg.synthetic_task!r}; "
+                       "accepted: 'reverse', 'copy'")
     if not 1 <= data_cfg.synthetic_min_len <= data_cfg.synthetic_max_len:
       raise ValueError(f"data.synthetic_min_len={data_cfg.synthetic_min_len} and "
                        f"data.synthetic_max_len={data_cfg.synthetic_max_len} need 1 <= min <= max")

@@ -65,7 +65,7 @@ def mlm_example(ids: Sequence[int], rng: np.random.Generator, *, mask_id: int,
 
 
 def _random_segmentation(num_items: int, num_segments: int, rng: np.random.Generator) -> np.ndarray:
-  """T5: lengths of num_segments non-empty segments that partition num_items, uniformly at random."""
+  """T5: lengths of num_segments non-empty segments partitioning num_items, at random."""
   first_in_segment = np.arange(num_items - 1) < num_segments - 1
   rng.shuffle(first_in_segment)
   first_in_segment = np.concatenate([[False], first_in_segment])
@@ -139,7 +139,7 @@ def span_corruption_example(ids: Sequence[int], rng: np.random.Generator, *, noi
 
 def seq2seq_example(encoder_ids: Sequence[int], target_ids: Sequence[int],
                     decoder_start_id: int) -> dict[str, np.ndarray]:
-  """Encoder ids and eos-terminated targets -> the seq2seq contract (decoder inputs shifted right)."""
+  """Encoder ids and eos-terminated targets -> the seq2seq contract (decoder inputs shift right)."""
   targets = _i32(target_ids)
   return {"encoder_inputs": _i32(encoder_ids), "targets": targets,
           "decoder_inputs": np.concatenate([_i32([decoder_start_id]), targets[:-1]]),
