@@ -123,6 +123,7 @@ def beam_search(
     alpha: float,
     max_new_tokens: int,
     eos_id: int | None,
+    prefill_fn: StepFn | None = None,
 ) -> BeamResult:
     """Beam search for the best log P / lp hypotheses; `cache` is allocated for batch B."""
     check_beam(beam_size, alpha)
@@ -131,7 +132,7 @@ def beam_search(
     w, n = beam_size, max_new_tokens
     update = lambda s, logp: _update(s, logp, beam_size=w, alpha=alpha, eos_id=eos_id, n=n)  # noqa: E731
 
-    logits_BV, cache = prefill(step_fn, params, cache, prompt)
+    logits_BV, cache = prefill(prefill_fn or step_fn, params, cache, prompt)
     logp_BWV = jnp.broadcast_to(
         jax.nn.log_softmax(logits_BV)[:, None], (batch, w, logits_BV.shape[-1])
     )

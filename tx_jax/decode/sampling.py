@@ -5,7 +5,8 @@ Everything here is written against a step function,
     step_fn(params, tokens_BT, positions_BT, segment_ids_BT, cache) -> (logits_BTV, cache)
 
 which runs the model on T >= 1 new tokens, writes them into the cache and returns
-their next-token logits. A tx_jax model with a KV cache is one such function
+their next-token logits. An optional `prefill_fn` of the same signature replaces
+it on the first call (encoder-decoders pass the encoder output there only). A tx_jax model with a KV cache is one such function
 (`tx_jax.decode.models`), a model without one is another (it keeps the tokens as
 its "cache" and recomputes), and the tests use numpy Markov tables. Call the
 functions below under `jax.jit` with the step function static; the prefill is one
@@ -100,6 +101,7 @@ def sample(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
+    prefill_fn: StepFn | None = None,
 ) -> DecodeResult:
     """Generates up to max_new_tokens per row, stopping rows at EOS; greedy=True takes argmax."""
     check_max_new_tokens(max_new_tokens)
@@ -112,7 +114,7 @@ def sample(
     batch = prompt.tokens.shape[0]
     lengths_B = jnp.asarray(prompt.lengths, jnp.int32)
 
-    logits_BV, cache = prefill(step_fn, params, cache, prompt)
+    logits_BV, cache = prefill(prefill_fn or step_fn, params, cache, prompt)
     rng, key = jax.random.split(rng)
     token_B = _select(logits_BV, key, greedy, temperature, top_k, top_p)
     tokens_BN = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(token_B)
@@ -143,9 +145,17 @@ def sample(
 
 
 def greedy(
-    step_fn: StepFn, params: Any, cache: Any, prompt: Prompt, *, max_new_tokens: int, eos_id: int | None
+    step_fn: StepFn,
+    params: Any,
+    cache: Any,
+    prompt: Prompt,
+    *,
+    max_new_tokens: int,
+    eos_id: int | None,
+    prefill_fn: StepFn | None = None,
 ) -> DecodeResult:
     """Argmax decoding; see `sample`."""
     return sample(
-        step_fn, params, cache, prompt, max_new_tokens=max_new_tokens, eos_id=eos_id, greedy=True
+        step_fn, params, cache, prompt, max_new_tokens=max_new_tokens, eos_id=eos_id,
+        greedy=True, prefill_fn=prefill_fn,
     )
