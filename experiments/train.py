@@ -9,6 +9,7 @@ import sys
 
 from absl import app
 from absl import flags
+from absl import logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -24,6 +25,8 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
 def main(argv) -> int:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not flags.FLAGS["verbosity"].present:  # library INFO lines (Orbax) drown the progress
+    logging.set_verbosity(logging.WARNING)
   from tx_jax import sharding  # pylint: disable=g-import-not-at-top
   sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   config = _CONFIG.value

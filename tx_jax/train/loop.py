@@ -13,7 +13,6 @@ import threading
 import time
 from typing import Any
 
-from absl import logging
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -177,7 +176,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   if restored is not None:
     state, start = restored
     pending_batch = None  # the iterator resumes exactly after the checkpoint's last batch
-    logging.info("resumed from step %d in %s", start, ckpt.directory)
+    if is_main:
+      print(f"resumed from step {start} in {ckpt.directory}", flush=True)
   else:
     state = jax.jit(init_fn, out_shardings=shardings)()
     start, pending_batch = 0, first_batch
