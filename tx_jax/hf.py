@@ -63,9 +63,13 @@ def _architecture(values: Mapping[str, Any], where: str) -> Architecture:
 
 def model_fields(hf_config: Mapping[str, Any],
                  weights: Mapping[str, np.ndarray] | None = None) -> dict[str, Any]:
-    """The config.model fields of a config.json dict (weights settle ties and the pooler)."""
+    """The config.model fields of a config.json dict.
+
+    Weights settle what only they tell (an untied head, a pooler); without them the
+    config's flags decide.
+    """
     arch = _architecture(hf_config, "config.json")
-    return arch.read_config(HFConfig(dict(hf_config), arch.name), weights or {})
+    return arch.read_config(HFConfig(dict(hf_config), arch.name), weights)
 
 
 def _base_config() -> ml_collections.ConfigDict:
@@ -246,27 +250,34 @@ def to_pretrained(config: ml_collections.ConfigDict | ModelConfig, params: Mappi
     flat = traverse_util.flatten_dict(unfreeze(nn.unbox(jax.device_get(params))), sep="/")
     if mc.scan_layers:
         flat = _unstack_layers(flat)
-    tensors, used = {}, set()
-    for rule in arch.rules(mc):
-        absent = [p for p in rule.ours if p not in flat]
-        if absent:
-            raise ConversionError(f"params lack {absent} that {arch.name} needs")
-        used.update(rule.ours)
-        tensors.update(zip(rule.hf, rule.save([np.asarray(flat[p]) for p in rule.ours])))
-    unused = sorted(set(flat) - used)
-    if unused:
-        raise ConversionError(f"params {unused[:8]} have no place in {arch.name}")
-    dtypes = {str(t.dtype) for t in tensors.values()}
+    rules = arch.rules(mc)
     values = {**arch.write_config(mc), **dict(hf_config or {}),
-              "architectures": [arch.name], "model_type": arch.model_type,
-              "dtype": dtypes.pop() if len(dtypes) == 1 else "float32"}
-    back = _relevant(arch.read_config(HFConfig(values, arch.name), tensors))
+              "architectures": [arch.name], "model_type": arch.model_type}
+    # Check before touching tensors: does the written config load back as this model?
+    # Distinct placeholders stand in for the tensors (what is present, nothing tied).
+    names = {k: np.full(1, i) for i, k in enumerate(k for r in rules for k in r.hf)}
+    back = _relevant(arch.read_config(HFConfig(values, arch.name), names))
     differ = {k: (getattr(mc, k), v) for k, v in back.items() if getattr(mc, k) != v}
     if differ:
         raise ConversionError(
             f"{arch.name} cannot express this model: " + "; ".join(
                 f"config.model.{k}={ours!r} would load back as {theirs!r}"
                 for k, (ours, theirs) in sorted(differ.items())))
+    tensors, used, missing = {}, set(), []
+    for rule in rules:
+        absent = [p for p in rule.ours if p not in flat]
+        if absent:
+            missing += absent
+            continue
+        used.update(rule.ours)
+        tensors.update(zip(rule.hf, rule.save([np.asarray(flat[p]) for p in rule.ours])))
+    if missing:
+        raise ConversionError(f"params lack {missing[:8]} that {arch.name} needs")
+    unused = sorted(set(flat) - used)
+    if unused:
+        raise ConversionError(f"params {unused[:8]} have no place in {arch.name}")
+    dtypes = {str(t.dtype) for t in tensors.values()}
+    values["dtype"] = dtypes.pop() if len(dtypes) == 1 else "float32"
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
     write_weights(path, tensors, max_shard_bytes)

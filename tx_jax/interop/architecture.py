@@ -10,7 +10,8 @@ import numpy as np
 from tx_jax.interop.rules import ConversionError, HFConfig, Rule
 from tx_jax.models.config import ModelConfig
 
-Weights = Mapping[str, np.ndarray]
+# None: no weights at hand (config.json alone); the config's own flags then decide.
+Weights = Mapping[str, np.ndarray] | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +38,7 @@ class Architecture:
 
 def equal(weights: Weights, a: str, b: str) -> bool:
     """Whether tensors `a` and `b` are both present and bit-identical."""
-    if a not in weights or b not in weights:
+    if weights is None or a not in weights or b not in weights:
         return False
     x, y = weights[a], weights[b]
     return x.shape == y.shape and x.dtype == y.dtype and x.tobytes() == y.tobytes()
@@ -51,6 +52,8 @@ def output_tied(hf: HFConfig, weights: Weights, head: str, embedding: str,
     differs from the embedding (then it loads the head untied, with a warning).
     """
     tie = bool(hf.get("tie_word_embeddings", default))
+    if weights is None:
+        return tie
     if head not in weights:
         if not tie:
             raise ConversionError(f"{hf.architecture}: tie_word_embeddings is false but the "

@@ -29,8 +29,9 @@ def _read(architecture: str):
             raise hf.error(f"classifier_dropout={classifier_dropout} differs from "
                            f"hidden_dropout_prob={dropout}; tx_jax uses one dropout rate")
         embedding = prefix + "embeddings.word_embeddings.weight"
-        if head == "mlm" and (not hf.get("tie_word_embeddings", True) or (
-                _MLM_DECODER + "weight" in weights
+        tie = hf.get("tie_word_embeddings", True)  # only the MLM head has an output matrix
+        if head == "mlm" and (not tie or (
+                weights is not None and _MLM_DECODER + "weight" in weights
                 and not equal(weights, _MLM_DECODER + "weight", embedding))):
             raise hf.error("an MLM decoder untied from the word embeddings is not implemented "
                            "(tx_jax's MLM head is tied)")
@@ -50,7 +51,8 @@ def _read(architecture: str):
             attention_dropout_rate=hf.get("attention_probs_dropout_prob", 0.1),
             mlp_inner_dropout_rate=0.0, type_vocab_size=hf.get("type_vocab_size", 2),
             # BertForMaskedLM has no pooler; a checkpoint that holds one keeps it.
-            pooler=head == "classification" or prefix + "pooler.dense.weight" in weights,
+            pooler=head != "mlm" if weights is None
+            else head == "classification" or prefix + "pooler.dense.weight" in weights,
             head=head, num_classes=labels, init="normal",
             init_std=hf.get("initializer_range", 0.02))
 

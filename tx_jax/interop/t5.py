@@ -36,8 +36,12 @@ def _read(hf: HFConfig, weights: Weights) -> dict[str, Any]:
     # transformers 5 ties the head unless the checkpoint holds a different one, and scales
     # the decoder output by d_model^-0.5 per `scale_decoder_outputs` (older configs: when
     # tie_word_embeddings is not false).
-    tied = "lm_head.weight" not in weights or equal(weights, "lm_head.weight", "shared.weight")
-    scale = hf.get("scale_decoder_outputs", hf.get("tie_word_embeddings", True) is not False)
+    tie_flag = hf.get("tie_word_embeddings", True) is not False
+    if weights is None:
+        tied = tie_flag
+    else:
+        tied = "lm_head.weight" not in weights or equal(weights, "lm_head.weight", "shared.weight")
+    scale = hf.get("scale_decoder_outputs", tie_flag)
     if scale and not tied:
         raise hf.error("scale_decoder_outputs with an untied lm_head is not implemented: "
                        "tx_jax rescales only tied outputs (T5 v1.0)")
