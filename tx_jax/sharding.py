@@ -178,7 +178,12 @@ def activate(mesh: Mesh, rules: Rules) -> Iterator[None]:
 
 
 def with_rules(fn: Callable[..., Any], mesh: Mesh, rules: Rules) -> Callable[..., Any]:
-  """`fn` traced under `mesh` and `rules`, so its activation constraints apply wherever it is jitted."""
+  """`fn` traced under `mesh` and `rules`, so its activation constraints apply wherever it is jitted.
+
+  For steps (apply with unboxed params). Do not wrap `module.init`: flax 0.12's DenseGeneral
+  unboxes its flattened [in, N*H] kernel under the rules, a rank mismatch with the kernel's
+  3 logical names. An init needs no rules: `jax.jit(init, out_shardings=...)` places it.
+  """
 
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
