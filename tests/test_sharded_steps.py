@@ -25,6 +25,7 @@ import optax
 import pytest
 
 from configs import bert, gpt, t5, transformer
+from tx_jax import checkpoint as checkpoint_lib
 from tx_jax import models, sharding
 from tx_jax.train import loop, state as state_lib, steps
 
@@ -198,6 +199,50 @@ def test_sharded_step_equals_single_device_step(reference, mesh_shape):
       total = sum(x.nbytes for x in jax.tree.leaves(tree))
       assert device0_bytes(tree) <= 1.15 * total / 8, (family, device0_bytes(tree), total)
       assert device0_bytes(tree) >= total / 8
+
+
+def test_checkpoint_restores_bitwise_onto_other_meshes_and_one_device(tmp_path):
+  """Save on (2,2,2); restore onto (1,2,4), (8,1,1) and one device; bitwise equal; train on."""
+  config = _family_config("gpt")
+  init_params, init_fn, step = _parts(config)
+  boxed = jax.eval_shape(init_params, jax.random.PRNGKey(0))
+  abstract = jax.eval_shape(init_fn)
+
+  def on(mesh_shape, devices=None):
+    c = config.copy_and_resolve_references()
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = mesh_shape
+    mesh, rules = sharding.make_mesh(c.mesh, devices), sharding.logical_rules(c)
+    shardings = sharding.state_shardings(abstract, boxed, mesh, rules)
+    jstep = jax.jit(sharding.with_rules(step, mesh, rules),
+                    in_shardings=(shardings, sharding.batch_sharding(mesh)),
+                    out_shardings=(shardings, sharding.replicated(mesh)), donate_argnums=0)
+    return shardings, jstep, jax.device_put(_batch(config), sharding.batch_sharding(mesh))
+
+  shardings, jstep, batch = on((2, 2, 2))
+  state, _ = jstep(jax.jit(init_fn, out_shardings=shardings)(), batch)  # non-zero momentum
+  ckpt = checkpoint_lib.Checkpointer(tmp_path / "checkpoints", config.checkpoint)
+  ckpt.save(1, state)
+  ckpt.wait()
+  saved = checkpoint_lib.np_tree(state)
+  _, metrics = jstep(state, batch)  # the step after the checkpoint, on the saving mesh
+  next_loss = float(metrics["loss_sum"] / metrics["weight_sum"])
+
+  for mesh_shape, devices in [((1, 2, 4), None), ((8, 1, 1), None), ((1, 1, 1), jax.devices()[:1])]:
+    shardings, jstep, batch = on(mesh_shape, devices)
+    restored, restored_step = ckpt.restore_latest(
+        checkpoint_lib.abstract_with_shardings(abstract, shardings))
+    assert restored_step == 1
+    for got, want, target in zip(jax.tree.leaves(restored), jax.tree.leaves(saved),
+                                 jax.tree.leaves(shardings)):
+      assert got.sharding.is_equivalent_to(target, got.ndim), (mesh_shape, got.sharding, target)
+      got = np.asarray(got)
+      assert got.dtype == want.dtype and got.shape == want.shape
+      assert got.tobytes() == want.tobytes(), mesh_shape  # bitwise
+    _, metrics = jstep(restored, batch)
+    loss = float(metrics["loss_sum"] / metrics["weight_sum"])
+    assert np.isfinite(loss) and abs(loss - next_loss) <= 1e-5 * abs(next_loss), (
+        mesh_shape, loss, next_loss)
+  ckpt.close()
 
 
 def test_write_equivalence_table():
