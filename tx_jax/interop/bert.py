@@ -89,12 +89,14 @@ def _rules(architecture: str):
             hf, ours = f"{prefix}encoder.layer.{i}.", f"stack/layer_{i}/"
             att = ours + "self_attention/"
             for name in ("query", "key", "value"):
-                out += [R.heads_in(f"{hf}attention.self.{name}.weight", f"{att}{name}/kernel", n, h),
-                        R.heads_bias(f"{hf}attention.self.{name}.bias", f"{att}{name}/bias", n, h)]
+                self_att = f"{hf}attention.self.{name}."
+                out += [R.heads_in(self_att + "weight", f"{att}{name}/kernel", n, h),
+                        R.heads_bias(self_att + "bias", f"{att}{name}/bias", n, h)]
             out += [
                 R.heads_out(hf + "attention.output.dense.weight", att + "out/kernel", n, h),
                 R.copy(hf + "attention.output.dense.bias", att + "out/bias"),
-                R.copy(hf + "attention.output.LayerNorm.weight", ours + "self_attention_norm/scale"),
+                R.copy(hf + "attention.output.LayerNorm.weight",
+                       ours + "self_attention_norm/scale"),
                 R.copy(hf + "attention.output.LayerNorm.bias", ours + "self_attention_norm/bias"),
                 R.linear(hf + "intermediate.dense.weight", ours + "mlp/wi/kernel"),
                 R.copy(hf + "intermediate.dense.bias", ours + "mlp/wi/bias"),

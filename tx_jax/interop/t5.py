@@ -79,7 +79,7 @@ def _write(c: ModelConfig) -> dict[str, Any]:
         tie_word_embeddings=c.tie_embeddings,
         scale_decoder_outputs=c.tie_embeddings and c.tied_output_rescale,
         initializer_factor=round(c.init_std * c.d_model ** 0.5, 12), is_encoder_decoder=True,
-        decoder_start_token_id=0, n_positions=c.max_len)
+        decoder_start_token_id=0)
 
 
 def _attention(hf: str, ours: str, c: ModelConfig) -> list[R.Rule]:
