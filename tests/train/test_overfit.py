@@ -1,0 +1,90 @@
+"""Every family, with its preset's own optimizer, drives the NLL of one fixed batch near zero."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from configs import bert, gpt, t5, transformer
+from tx_jax import models
+from tx_jax.train import loop, optimizers, state as state_lib, steps
+
+pytestmark = pytest.mark.slow
+B, T = 4, 12
+
+
+def _lm_batch(rng):
+  ids = rng.integers(4, 260, (B, T + 1)).astype(np.int32)
+  ones = np.ones((B, T), np.int32)
+  return {"inputs": ids[:, :-1], "targets": ids[:, 1:], "weights": ones.astype(np.float32),
+          "segment_ids": ones, "positions": np.tile(np.arange(T, dtype=np.int32), (B, 1))}
+
+
+def _mlm_batch(rng):
+  b = _lm_batch(rng)
+  chosen = rng.random((B, T)) < 0.3
+  chosen[:, 0] = True
+  return dict(b, targets=b["inputs"], inputs=np.where(chosen, 3, b["inputs"]).astype(np.int32),
+              weights=chosen.astype(np.float32), token_type_ids=np.zeros((B, T), np.int32))
+
+
+def _cls_batch(rng):
+  b = _mlm_batch(rng)
+  del b["targets"]
+  return dict(b, labels=np.array([0, 1, 1, 0], np.int32), weights=np.ones((B,), np.float32))
+
+
+def _seq2seq_batch(rng):
+  src = rng.integers(4, 260, (B, T)).astype(np.int32)
+  tgt = src[:, ::-1]
+  ones = np.ones((B, T), np.int32)
+  pos = np.tile(np.arange(T, dtype=np.int32), (B, 1))
+  return {"encoder_inputs": src, "encoder_segment_ids": ones, "encoder_positions": pos,
+          "decoder_inputs": np.concatenate([np.ones((B, 1), np.int32), tgt[:, :-1]], 1),
+          "decoder_segment_ids": ones, "decoder_positions": pos, "targets": tgt,
+          "weights": ones.astype(np.float32)}
+
+
+def _cls_config():
+  c = bert.get_config("tiny")
+  c.model.head = "classification"
+  return c
+
+
+CASES = {
+    "gpt": (lambda: gpt.get_config("tiny"), _lm_batch),
+    "llama": (lambda: gpt.get_config("llama-tiny"), _lm_batch),
+    "bert-mlm": (lambda: bert.get_config("tiny"), _mlm_batch),
+    "bert-cls": (_cls_config, _cls_batch),
+    "transformer": (lambda: transformer.get_config("tiny"), _seq2seq_batch),
+    "t5": (lambda: t5.get_config("tiny"), _seq2seq_batch),
+}
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_overfits_one_batch(family):
+  make_config, make_batch = CASES[family]
+  config = make_config()
+  config.model.num_layers = min(config.model.num_layers, 2)
+  # Adafactor's relative, parameter-scaled steps (T5) need about twice as many as Adam.
+  config.train.steps = 300 if config.optimizer.name == "adafactor" else 150
+  config.schedule.warmup_steps = 10
+  config.loss.label_smoothing = 0.0  # smoothing puts the NLL optimum above zero
+  if config.optimizer.name == "adamw":
+    config.optimizer.learning_rate = 3e-3
+  batch = make_batch(np.random.default_rng(0))
+  module = models.build(config.model)
+  tx, schedule = optimizers.build_optimizer(config)
+  args, kwargs = models.model_inputs(config.model, batch)
+  init = state_lib.make_init_fn(
+      lambda r: module.init({"params": r}, *args, **kwargs, train=False)["params"], tx, 0)
+  state = jax.jit(init)()
+  step = jax.jit(functools.partial(
+      steps.train_step, apply_fn=loop.make_apply_fn(module, config.model), tx=tx,
+      schedule=schedule), donate_argnums=0)
+  nll = []
+  for _ in range(config.train.steps):
+    state, metrics = step(state, batch)
+    nll.append(float(metrics["nll_sum"] / metrics["weight_sum"]))
+  assert nll[-1] < 0.1 and nll[-1] < nll[0] / 10, (family, nll[0], nll[-1])
