@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,7 +40,7 @@ def _init(config):
     ids = jnp.ones((2, 5), jnp.int32)
     args = (ids, ids) if config.model.family == "encdec" else (ids,)
     init = jax.jit(functools.partial(module.init, train=False))
-    return module, jax.tree.map(np.asarray, init(jax.random.PRNGKey(0), *args)["params"])
+    return module, jax.tree.map(np.asarray, nn.unbox(init(jax.random.PRNGKey(0), *args)["params"]))
 
 
 def _flat(params):
@@ -155,6 +156,33 @@ def test_unexpected_and_missing_tensors_are_errors(gpt_dir, tmp_path):
     write_weights(tmp_path, weights, 2**30)
     with pytest.raises(hf.ConversionError, match="transformer.h.1.mlp.c_fc.bias"):
         hf.from_pretrained(tmp_path)
+
+
+def test_legacy_key_names_load(gpt_dir, tmp_path):
+    """The official gpt2 checkpoint has no "transformer." prefix; old BERTs say gamma/beta."""
+    directory, _, _, params = gpt_dir
+    (tmp_path / "config.json").write_text((directory / "config.json").read_text())
+    weights = read_weights(directory)
+    write_weights(tmp_path, {k.removeprefix("transformer."): v for k, v in weights.items()},
+                  2**30)
+    _, _, loaded = hf.from_pretrained(tmp_path)
+    a, b = _flat(params), _flat(loaded)
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_bert_gamma_beta_names_load(tmp_path):
+    config = _tiny(bert.get_config("tiny"), num_layers=1)
+    _, params = _init(config)
+    hf.to_pretrained(config, params, tmp_path / "new")
+    weights = read_weights(tmp_path / "new")
+    renamed = {k.replace("LayerNorm.weight", "LayerNorm.gamma")
+               .replace("LayerNorm.bias", "LayerNorm.beta"): v for k, v in weights.items()}
+    assert any(k.endswith("gamma") for k in renamed)
+    write_weights(tmp_path / "old", renamed, 2**30)
+    (tmp_path / "old" / "config.json").write_text((tmp_path / "new" / "config.json").read_text())
+    _, _, loaded = hf.from_pretrained(tmp_path / "old")
+    a, b = _flat(params), _flat(loaded)
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
 def test_runtime_overrides_only(gpt_dir):

@@ -46,6 +46,7 @@ _TASKS = {("decoder", "none"): "lm", ("encoder", "mlm"): "mlm",
           ("encoder", "classification"): "classification", ("encdec", "none"): "seq2seq"}
 _LEGACY_NAMES = ((re.compile(r"LayerNorm\.gamma$"), "LayerNorm.weight"),
                  (re.compile(r"LayerNorm\.beta$"), "LayerNorm.bias"))
+_HEAD_PREFIXES = ("lm_head.", "cls.", "classifier.")  # keys outside the trunk
 _STACKED = re.compile(r"^(stack|encoder|decoder)/layer_(\d+)/(.*)$")
 
 __all__ = ["ARCHITECTURES", "ConversionError", "from_pretrained", "model_fields",
@@ -178,9 +179,14 @@ def from_pretrained(path: str | pathlib.Path, **runtime: Any
     values = json.loads(config_file.read_text())
     arch = _architecture(values, str(config_file))
     weights = {}
-    for key, tensor in read_weights(path).items():
+    raw = read_weights(path)
+    # Checkpoints saved from the bare trunk (the official "gpt2") lack its prefix.
+    add_prefix = arch.base_prefix and not any(k.startswith(arch.base_prefix) for k in raw)
+    for key, tensor in raw.items():
         for pattern, replacement in _LEGACY_NAMES:
             key = pattern.sub(replacement, key)
+        if add_prefix and not key.startswith(_HEAD_PREFIXES):
+            key = arch.base_prefix + key
         weights[key] = tensor
     fields = arch.read_config(HFConfig(values, arch.name), weights)
     bad = sorted(set(runtime) - set(RUNTIME_FIELDS))

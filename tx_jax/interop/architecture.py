@@ -25,6 +25,8 @@ class Architecture:
     tied_copies: config.model -> {HF key: HF key it may duplicate}; such a tensor is
       accepted on load only when bit-equal to its source, and never written.
     ignored: regexes of HF keys that hold no parameters (buffers, heads HF drops too).
+    base_prefix: the prefix of the trunk's keys ("transformer.", "bert.", "model."), which
+      checkpoints saved from the bare trunk class lack; transformers adds it, so do we.
     """
 
     name: str
@@ -34,6 +36,7 @@ class Architecture:
     rules: Callable[[ModelConfig], list[Rule]]
     tied_copies: Callable[[ModelConfig], dict[str, str]]
     ignored: tuple[str, ...] = ()
+    base_prefix: str = ""
 
 
 def equal(weights: Weights, a: str, b: str) -> bool:

@@ -136,7 +136,8 @@ def _architecture(name: str) -> Architecture:
         rules=_rules(name), tied_copies=_tied_copies,
         # Buffers, and BERT pre-training's next-sentence head, which the HF classes
         # loaded here drop as well.
-        ignored=(r"position_ids$", r"^cls\.seq_relationship\."))
+        ignored=(r"position_ids$", r"^cls\.seq_relationship\."),
+        base_prefix=_HEADS[name][1])
 
 
 BERT_MODEL = _architecture("BertModel")

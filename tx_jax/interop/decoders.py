@@ -87,7 +87,7 @@ GPT2 = Architecture(
     write_config=_gpt2_write, rules=_gpt2_rules,
     tied_copies=lambda c: {"lm_head.weight": _GPT2 + "wte.weight"} if c.tie_embeddings else {},
     # Old checkpoints store the causal-mask buffers.
-    ignored=(r"\.attn\.(masked_)?bias$",))
+    ignored=(r"\.attn\.(masked_)?bias$",), base_prefix=_GPT2)
 
 # ---------------------------------------------------------------------------- LLaMA
 
@@ -189,4 +189,4 @@ LLAMA = Architecture(
     tied_copies=lambda c: ({"lm_head.weight": _LLAMA + "embed_tokens.weight"}
                            if c.tie_embeddings else {}),
     # Old checkpoints store RoPE's inverse frequencies.
-    ignored=(r"rotary_emb\.inv_freq$",))
+    ignored=(r"rotary_emb\.inv_freq$",), base_prefix=_LLAMA)
