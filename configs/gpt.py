@@ -62,8 +62,8 @@ def _cpu_lm_training(config: ml_collections.ConfigDict) -> None:
     o, s, t = config.optimizer, config.schedule, config.train
     o.learning_rate, o.b2 = 2e-3, 0.99
     s.warmup_steps = 50
-    t.steps, t.log_every, t.eval_every, t.eval_batches = 1000, 50, 250, 8
-    config.data.seq_len, config.data.global_batch_size = 128, 32
+    t.steps, t.log_every, t.eval_every, t.eval_batches = 600, 50, 200, 16
+    config.data.seq_len, config.data.global_batch_size = 128, 16
     config.data.eval_global_batch_size = 32
     config.checkpoint.every = 500
 

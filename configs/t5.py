@@ -50,8 +50,8 @@ def _cpu_training(config: ml_collections.ConfigDict) -> None:
     """The T5 recipe scaled to minutes on 2 CPU cores: inverse sqrt with a 100-step plateau."""
     s, t = config.schedule, config.train
     s.warmup_steps = 100
-    t.steps, t.log_every, t.eval_every, t.eval_batches = 1000, 50, 250, 8
-    config.data.global_batch_size = config.data.eval_global_batch_size = 32
+    t.steps, t.log_every, t.eval_every, t.eval_batches = 600, 50, 200, 16
+    config.data.global_batch_size, config.data.eval_global_batch_size = 16, 32
     config.checkpoint.every = 500
 
 
