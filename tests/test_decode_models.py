@@ -204,3 +204,22 @@ def test_model_level_errors():
         decode_models.Strategy("topk").validate()
     with pytest.raises(ValueError, match=r"top_p=0 must lie in \(0, 1\]"):
         decode_models.Strategy("sample", top_p=0).validate()
+
+
+def test_sharded_decode_equals_single_device():
+    """Prompts sharded over 8 devices on the batch axis, params replicated: same tokens."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    module, params, _ = decoder("gpt2-learned")
+    prompts = [PROMPTS[i % 3][: 1 + i % 4] + [i + 2] for i in range(8)]
+    prompt = decode.make_prompt(prompts, max_new_tokens=5)
+    strategy = decode_models.Strategy("beam", max_new_tokens=5, beam_size=2)
+    want = decode_models.generate(module, params, prompt, strategy, eos_id=3)
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    rows = NamedSharding(mesh, PartitionSpec("data"))
+    sharded = decode.Prompt(*(jax.device_put(np.asarray(x), rows) for x in prompt))
+    params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+    got = decode_models.generate(module, params, sharded, strategy, eos_id=3)
+    assert len(got.tokens.sharding.device_set) == 8
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_allclose(got.scores, want.scores, rtol=1e-5)
