@@ -22,7 +22,8 @@ def _config(corpus, **overrides):
             "data.eval_global_batch_size": 8, "train.steps": 8, "train.log_every": 1,
             "train.eval_every": 4, "train.eval_batches": 1, "train.progress": "log",
             "checkpoint.every": 2, "schedule.warmup_steps": 2, "model.num_layers": 1,
-            "model.d_model": 32, "model.mlp_dim": 64, "model.head_dim": 8}
+            "model.d_model": 32, "model.mlp_dim": 64, "model.head_dim": 8,
+            "train.peak_flops": 1e12}
   values.update(overrides)
   for key, value in values.items():
     section, field = key.split(".")
