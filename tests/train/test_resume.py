@@ -18,9 +18,11 @@ def _final_params(workdir, step):
   return tree["params"]
 
 
-def _kill_when(proc, workdir, step, deadline=300):
+def _kill_when(proc, workdir, step, deadline=300, after_checkpoint=None):
+  """Waits until metrics.jsonl reaches `step` (and checkpoint `after_checkpoint` is final)."""
   start = time.time()
-  while runs.last_logged_step(workdir) < step:
+  final = workdir / "checkpoints" / str(after_checkpoint)
+  while runs.last_logged_step(workdir) < step or (after_checkpoint and not final.is_dir()):
     if proc.poll() is not None:
       raise AssertionError(f"trainer exited early:\n{proc.stdout.read()[-3000:]}")
     if time.time() - start > deadline:
@@ -37,7 +39,8 @@ def test_sigkill_then_relaunch_is_bit_identical(tmp_path):
 
   kill_at = random.Random().randint(12, 55)  # after the first checkpoint (step 10)
   proc = runs.launch(runs.tiny_gpt_flags(corpus, killed))
-  _kill_when(proc, killed, kill_at)
+  # Orbax renames a step's directory into place only once its async save is complete.
+  _kill_when(proc, killed, kill_at, after_checkpoint=10)
   proc.send_signal(signal.SIGKILL)
   proc.wait()
   assert proc.returncode == -signal.SIGKILL
