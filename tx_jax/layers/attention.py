@@ -15,11 +15,50 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tx_jax.layers.attention_backends import get_backend
 from tx_jax.layers.positions import apply_rope
 
 Array = jnp.ndarray
+
+
+class Projection(nn.Module):
+    """DenseGeneral whose kernel is boxed at its full rank.
+
+    flax 0.12's DenseGeneral boxes the *flattened* [in, out] kernel with the full-rank logical
+    names and unboxes it, also in apply (its shape check re-traces the init), which fails as
+    soon as a mesh and logical rules are active. Here the initializer sees the same flattened
+    shape (same fans, same random numbers) and the box wraps the reshaped kernel.
+    """
+
+    features: tuple[int, ...]
+    in_dims: int  # trailing input dims contracted
+    names: tuple[str, ...]  # logical names of the kernel: input dims, then feature dims
+    use_bias: bool
+    kernel_init: nn.initializers.Initializer
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        in_shape = x.shape[x.ndim - self.in_dims:]
+        flat = (int(np.prod(in_shape)), int(np.prod(self.features)))
+
+        def init(rng, shape, dtype=jnp.float32):
+            return jnp.reshape(self.kernel_init(rng, flat, dtype), shape)
+
+        kernel = self.param("kernel", nn.with_logical_partitioning(init, self.names),
+                            in_shape + tuple(self.features), self.param_dtype)
+        bias = None
+        if self.use_bias:
+            bias = self.param("bias", nn.with_logical_partitioning(
+                nn.initializers.zeros, self.names[self.in_dims:]), tuple(self.features),
+                self.param_dtype)
+        x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+        contract = tuple(range(x.ndim - self.in_dims, x.ndim))
+        y = jax.lax.dot_general(x, kernel, ((contract, tuple(range(self.in_dims))), ((), ())))
+        return y if bias is None else y + bias
 
 
 class MultiHeadAttention(nn.Module):
@@ -38,15 +77,13 @@ class MultiHeadAttention(nn.Module):
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
 
-    def _projection(self, heads: int, head_axis: str, name: str) -> nn.DenseGeneral:
-        return nn.DenseGeneral(
+    def _projection(self, heads: int, head_axis: str, name: str) -> Projection:
+        return Projection(
             features=(heads, self.head_dim),
-            axis=-1,
+            in_dims=1,
+            names=("embed", head_axis, "head_dim"),
             use_bias=self.use_bias,
-            kernel_init=nn.with_logical_partitioning(
-                self.kernel_init, ("embed", head_axis, "head_dim")),
-            bias_init=nn.with_logical_partitioning(
-                nn.initializers.zeros, (head_axis, "head_dim")),
+            kernel_init=self.kernel_init,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             name=name,
@@ -101,13 +138,12 @@ class MultiHeadAttention(nn.Module):
         )
         out_BTNH = nn.with_logical_constraint(
             out_BTNH, ("act_batch", "act_len", "act_heads", "act_head_dim"))
-        return nn.DenseGeneral(
-            features=x_BTD.shape[-1],
-            axis=(-2, -1),
+        return Projection(
+            features=(x_BTD.shape[-1],),
+            in_dims=2,
+            names=("heads", "head_dim", "embed"),
             use_bias=self.use_bias,
-            kernel_init=nn.with_logical_partitioning(
-                self.output_init or self.kernel_init, ("heads", "head_dim", "embed")),
-            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
+            kernel_init=self.output_init or self.kernel_init,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             name="out",
