@@ -162,8 +162,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     return module.init({"params": rng}, *args, **kwargs, train=False)["params"]
 
   init_fn = state_lib.make_init_fn(init_params, tx, config.seed)
-  # Init runs outside the logical-rules context: flax's DenseGeneral reshapes a boxed
-  # kernel inside init, which a rank-checked constraint rejects; out_shardings place it.
+  # Init is not wrapped in the rules context (sharding.with_rules says so): out_shardings
+  # place the parameters.
   boxed_params = jax.eval_shape(init_params, jax.random.PRNGKey(0))
   abstract_state = jax.eval_shape(init_fn)
   shardings = sharding.state_shardings(abstract_state, boxed_params, mesh, rules)
@@ -182,18 +182,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     state = jax.jit(init_fn, out_shardings=shardings)()
     start, pending_batch = 0, first_batch
 
-  # Activation constraints are not activated (sharding.with_rules): under a mesh, flax's
-  # apply-time param shape check re-runs DenseGeneral's boxed init, whose reshape of a
-  # rank-3 kernel fails the rank-3 constraint. in/out shardings alone place every array.
+  # Traced under the mesh and logical rules, so the models' activation constraints apply.
   train_step = jax.jit(
-      functools.partial(
+      sharding.with_rules(functools.partial(
           steps.train_step, apply_fn=apply_fn, tx=tx, schedule=schedule,
           label_smoothing=config.loss.label_smoothing, z_loss=config.loss.z_loss,
-          grad_accum_steps=config.train.grad_accum_steps),
+          grad_accum_steps=config.train.grad_accum_steps), mesh, rules),
       in_shardings=(shardings, batch_sharding), out_shardings=(shardings, replicated),
       donate_argnums=0)
   eval_step = jax.jit(
-      functools.partial(steps.eval_step, apply_fn=apply_fn),
+      sharding.with_rules(functools.partial(steps.eval_step, apply_fn=apply_fn), mesh, rules),
       in_shardings=(shardings.params, batch_sharding), out_shardings=replicated)
   evaluator = evaluation.Evaluator(config, module, eval_step, to_global, replicated)
 
