@@ -60,6 +60,9 @@ class Encoder(nn.Module):
             h_BTD = get_activation(c.mlp_activation)(
                 self._dense(c.d_model, ("embed", "mlp"), "mlm_transform")(x_BTD))
             h_BTD = self._norm("mlm_norm")(h_BTD)
+            # Pin the layout before the tied projection: left to itself, XLA's SPMD
+            # partitioner produced wrong gradients here on a (2,2,2) data/fsdp/tensor mesh.
+            h_BTD = nn.with_logical_constraint(h_BTD, ("act_batch", "act_len", "act_embed"))
             output_bias = self.param(
                 "mlm_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)),
                 (c.vocab_size,), c.storage_dtype)
