@@ -23,6 +23,8 @@ pytestmark = pytest.mark.slow
 REPO = pathlib.Path(__file__).resolve().parents[1]
 STEPS, EVERY = 10, 5
 MESH = {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}  # every kind of axis crosses hosts
+# Two input streams: each process reads one, the single process both; same global batches.
+INPUT = {"data.num_shards": 2}
 
 
 def _env(devices: int) -> dict:
@@ -40,7 +42,8 @@ def _free_port() -> int:
 
 
 def _flags(corpus, workdir) -> list[str]:
-  return runs.tiny_gpt_flags(corpus, workdir, steps=STEPS, **{"checkpoint.every": EVERY}, **MESH)
+  return runs.tiny_gpt_flags(corpus, workdir, steps=STEPS, **{"checkpoint.every": EVERY}, **MESH,
+                             **INPUT)
 
 
 def _launch_pair(corpus, workdir) -> list[subprocess.Popen]:

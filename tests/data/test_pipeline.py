@@ -136,6 +136,23 @@ def test_process_shards_are_disjoint_and_cover_split():
   assert sorted(sum(shards, [])) == sorted(s for s, _ in everything)
 
 
+def test_fixed_input_shards_give_the_same_global_batches_on_any_process_count():
+  """With data.num_shards fixed, process p's rows are block p of the one-process global batch."""
+  config = make_config(synthetic_train_size=64, global_batch_size=8, num_shards=4)
+  alone = data.build_train_iterator(config, process_index=0, process_count=1)
+  pair = [data.build_train_iterator(config, process_index=p, process_count=2) for p in range(2)]
+  for _ in range(20):  # past the end of an epoch: 64 records / 8 rows
+    whole, halves = next(alone), [next(it) for it in pair]
+    for key in whole:
+      np.testing.assert_array_equal(whole[key], np.concatenate([h[key] for h in halves]))
+
+
+def test_input_shards_must_divide_over_processes():
+  config = make_config(global_batch_size=8, num_shards=3)
+  with pytest.raises(ValueError, match="data.num_shards=3"):
+    data.build_train_iterator(config, process_index=0, process_count=2)
+
+
 def test_eval_batches_padded_exact_and_sharded():
   config = make_config(synthetic_eval_size=23, eval_global_batch_size=8)
   pairs = data.eval_examples(config, "validation")

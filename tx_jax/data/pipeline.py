@@ -47,6 +47,12 @@ def validate(data_cfg: ml_collections.ConfigDict, process_count: int = 1) -> Non
     if data_cfg[field] <= 0 or data_cfg[field] % process_count:
       raise ValueError(f"data.{field}={data_cfg[field]} must be a positive multiple of the "
                        f"process count {process_count}")
+  num_shards = input_shards(data_cfg, process_count)
+  if num_shards <= 0 or num_shards % process_count or data_cfg.global_batch_size % num_shards:
+    raise ValueError(f"data.num_shards={data_cfg.num_shards} gives {num_shards} input shards; "
+                     f"accepted: -1 (one per process) or a positive multiple of the process "
+                     f"count {process_count} that divides data.global_batch_size="
+                     f"{data_cfg.global_batch_size}")
   if data_cfg.num_epochs is not None and data_cfg.num_epochs <= 0:
     raise ValueError(f"data.num_epochs={data_cfg.num_epochs}; accepted: None (repeat) or > 0")
   if not 0 <= data_cfg.shuffle_seed < 2**32:
@@ -182,22 +188,46 @@ def _process(process_index, process_count) -> tuple[int, int]:
   return process_index, process_count
 
 
+def input_shards(data_cfg: ml_collections.ConfigDict, process_count: int) -> int:
+  """How many independent input streams make up the global batch (data.num_shards)."""
+  return process_count if data_cfg.num_shards == -1 else data_cfg.num_shards
+
+
 def build_train_iterator(config: ml_collections.ConfigDict, *, process_index: int | None = None,
                          process_count: int | None = None) -> grain.DatasetIterator:
-  """This process's infinite (or num_epochs) iterator of training batches; checkpointable state."""
+  """This process's infinite (or num_epochs) iterator of training batches; checkpointable state.
+
+  The global batch is the concatenation of `data.num_shards` independent streams, stream s
+  reading records s, s + num_shards, ... Each process builds and reads only its own streams,
+  so with a fixed num_shards every global batch is the same whatever the process count.
+  """
   data_cfg = config.data
   process_index, process_count = _process(process_index, process_count)
   validate(data_cfg, process_count)
+  num_shards = input_shards(data_cfg, process_count)
+  records = sources.build_source(data_cfg, data_cfg.train_split)
+  if len(records) < num_shards:
+    raise ValueError(f"split {data_cfg.train_split!r} (data.train_split) has {len(records)} "
+                     f"records, fewer than the {num_shards} input shards reading it")
+  per_process = num_shards // process_count
+  mine = range(process_index * per_process, (process_index + 1) * per_process)
+  streams = [_shard_stream(data_cfg, records, s, num_shards) for s in mine]
+  ds = streams[0] if len(streams) == 1 else grain.experimental.ZipIterDataset(streams).map(
+      lambda batches: {k: np.concatenate([b[k] for b in batches]) for k in batches[0]})
+  if data_cfg.worker_count > 0:
+    ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=data_cfg.worker_count))
+  return iter(ds)
+
+
+def _shard_stream(data_cfg: ml_collections.ConfigDict, records, shard: int,
+                  num_shards: int) -> grain.IterDataset:
+  """Batches of global_batch_size / num_shards rows from records[shard::num_shards]."""
   tok = tokenizers.build_tokenizer(data_cfg)
   regular_ids = _regular_ids(data_cfg, tok)
-  records = sources.build_source(data_cfg, data_cfg.train_split)
-  if len(records) < process_count:
-    raise ValueError(f"split {data_cfg.train_split!r} (data.train_split) has {len(records)} "
-                     f"records, fewer than the {process_count} processes sharing it")
-  local_batch = data_cfg.global_batch_size // process_count
+  shard_batch = data_cfg.global_batch_size // num_shards
   seed = data_cfg.shuffle_seed
 
-  ds = grain.MapDataset.source(records)[process_index::process_count]  # this process's shard
+  ds = grain.MapDataset.source(records)[shard::num_shards]
   ds = ds.shuffle(seed=seed).repeat(data_cfg.num_epochs)  # reshuffled every epoch
   to_examples = functools.partial(record_to_examples, data_cfg=data_cfg, tok=tok)
   chunked = data_cfg.task in _CHUNKED
@@ -214,14 +244,11 @@ def build_train_iterator(config: ml_collections.ConfigDict, *, process_index: in
   row_lengths = lengths(data_cfg)
   if data_cfg.pack and data_cfg.task != "classification":
     ds = grain.experimental.FirstFitPackIterDataset(
-        ds, length_struct=row_lengths, num_packing_bins=local_batch, shuffle_bins=False)
+        ds, length_struct=row_lengths, num_packing_bins=shard_batch, shuffle_bins=False)
     ds = ds.map(_rename_packed)
   else:
     ds = ds.map(functools.partial(pad_example, row_lengths=row_lengths))
-  ds = ds.batch(local_batch, drop_remainder=True)
-  if data_cfg.worker_count > 0:
-    ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=data_cfg.worker_count))
-  return iter(ds)
+  return ds.batch(shard_batch, drop_remainder=True)
 
 
 def _eval_rows(data_cfg, split: str) -> list[dict[str, np.ndarray]]:
