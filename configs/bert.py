@@ -27,6 +27,7 @@ def _bert(d_model: int, num_layers: int, num_heads: int) -> ml_collections.Confi
     m.dropout_rate = m.attention_dropout_rate = 0.1
     m.init_std = 0.02
     _bert_training(config)
+    config.data.seq_len = 512  # the published maximum length
     return config
 
 

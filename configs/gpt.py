@@ -25,6 +25,7 @@ def _gpt2(d_model: int, num_layers: int, num_heads: int) -> ml_collections.Confi
     m.dropout_rate = m.attention_dropout_rate = 0.1
     m.init_std = 0.02
     _decoder_training(config)
+    config.data.seq_len = m.max_len  # the published context length
     return config
 
 
@@ -42,6 +43,7 @@ def _llama(vocab_size: int, d_model: int, num_layers: int, num_heads: int, num_k
     m.attention_bias = m.mlp_bias = False
     m.dropout_rate = m.attention_dropout_rate = 0.0
     _decoder_training(config)
+    config.data.seq_len = m.max_len  # the published context length
     return config
 
 

@@ -28,9 +28,10 @@ def _t5(d_model: int, num_layers: int, num_heads: int, mlp_dim: int,
     else:
         m.mlp_activation, m.gated_mlp = "relu", False
         m.tie_embeddings, m.tied_output_rescale = True, True
-        m.dropout_rate = m.mlp_inner_dropout_rate = 0.1
+        m.dropout_rate = m.mlp_inner_dropout_rate = m.attention_dropout_rate = 0.1
     m.init_std = 1.0 / d_model ** 0.5
     _t5_training(config)
+    config.data.source_len, config.data.target_len = 512, 114  # the paper's pre-training lengths
     return config
 
 

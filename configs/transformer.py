@@ -29,6 +29,7 @@ def _transformer(d_model: int, num_heads: int, mlp_dim: int, dropout: float,
     m.attention_dropout_rate = 0.0
     m.init = "xavier_uniform"
     _paper_training(config)
+    config.data.source_len = config.data.target_len = 256  # WMT sentences fit
     return config
 
 
@@ -49,6 +50,7 @@ def tiny() -> ml_collections.ConfigDict:
     """A byte-level Transformer small enough for 2 CPU cores."""
     config = _transformer(d_model=128, num_heads=4, mlp_dim=512, dropout=0.0, num_layers=2)
     config.model.vocab_size = 360  # byte tokenizer: 4 specials + 256 bytes + 100 sentinels
+    config.data.source_len = config.data.target_len = 16  # reversal strings: <= 12 bytes + EOS
     _cpu_training(config)
     return config
 
