@@ -14,11 +14,9 @@ Mappings live in `tx_jax.interop`; transformers is not needed at runtime.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import pathlib
 import re
-import sys
 from typing import Any, Mapping
 
 import flax.linen as nn
@@ -74,10 +72,7 @@ def model_fields(hf_config: Mapping[str, Any],
 
 
 def _base_config() -> ml_collections.ConfigDict:
-    """configs.common.base_config(); configs/ is not installed, so look beside the package."""
-    root = pathlib.Path(__file__).resolve().parents[1]
-    if importlib.util.find_spec("configs") is None and (root / "configs" / "common.py").is_file():
-        sys.path.append(str(root))
+    """configs.common.base_config(): the typed schema every config fills."""
     from configs import common  # pylint: disable=import-outside-toplevel
     return common.base_config()
 
