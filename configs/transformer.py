@@ -5,6 +5,8 @@ Usage: --config=configs/transformer.py (the default experiment), :base, :big, :t
 `base` is Table 3's base model with a shared 37,000-token vocabulary.
 """
 
+import os
+
 import ml_collections
 
 from configs import common
@@ -67,11 +69,38 @@ def _cpu_training(config: ml_collections.ConfigDict) -> None:
     config.checkpoint.best_metric, config.checkpoint.best_mode = "eval_exact_match", "max"
 
 
+def multi30k() -> ml_collections.ConfigDict:
+    """tiny on Multi30k de->en with a shared 8k SentencePiece vocabulary (README: BLEU).
+
+    First: python -m experiments.train_tokenizer --config=configs/transformer.py:multi30k
+    (writes data.spm_model_path). Raw files from $TX_JAX_DATA_DIR/multi30k (manual_dir).
+    """
+    config = tiny()
+    d, m = config.data, config.model
+    root = os.environ.get("TX_JAX_DATA_DIR", "../shared/data")
+    d.source, d.manual_dir = "multi30k", os.path.join(root, "multi30k")
+    d.source_key, d.target_key = "de", "en"
+    d.tokenizer, d.spm_model_path, d.vocab_size = "sentencepiece", "runs/multi30k_spm8k.model", 8000
+    d.num_sentinels = 0
+    d.source_len = d.target_len = 48
+    d.pack, d.global_batch_size = True, 64
+    m.vocab_size, m.dropout_rate = 8000, 0.1
+    config.optimizer.learning_rate = 2e-3
+    config.schedule.warmup_steps = 150
+    t = config.train
+    t.steps, t.eval_every, t.log_every = 1500, 0, 100
+    t.decode_metrics, t.decode_examples, t.decode_max_len = (), 200, 40
+    config.checkpoint.every = 250
+    config.checkpoint.best_metric = ""
+    return config
+
+
 PRESETS = {
     "base": lambda: _transformer(512, 8, 2048, dropout=0.1),
     "big": lambda: _transformer(1024, 16, 4096, dropout=0.3),
     "tiny": tiny,
     "default": tiny,  # the default experiment: tiny on the synthetic translation task
+    "multi30k": multi30k,
 }
 
 
