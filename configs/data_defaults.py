@@ -39,7 +39,9 @@ def data_config() -> ml_collections.ConfigDict:
   # synthetic strings (<= 12 + eos) fill 16-token rows, and unpacked input is ~4x faster.
   c.pack = False
   c.global_batch_size = 64  # training rows per step, over all processes
-  c.num_shards = -1  # input streams of the global batch; -1 = one per process; fixed: same batches on any host count
+  c.num_shards = (
+      -1
+  )  # input streams of the global batch; -1 = one per process; fixed: same batches on any host count
   c.eval_global_batch_size = 64  # eval rows per step, over all processes
   c.shuffle_seed = 0  # order, packing and masking are pure functions of this seed
   c.num_epochs = ml_collections.config_dict.placeholder(int)  # None: repeat forever

@@ -11,87 +11,103 @@ from configs import common, train_defaults
 
 
 def _gpt2(d_model: int, num_layers: int, num_heads: int) -> ml_collections.ConfigDict:
-    config = common.base_config()
-    m = config.model
-    m.family = "decoder"
-    m.vocab_size = 50257
-    m.d_model, m.num_layers, m.num_heads = d_model, num_layers, num_heads
-    m.num_kv_heads, m.head_dim, m.mlp_dim = num_heads, d_model // num_heads, 4 * d_model
-    m.mlp_activation = "gelu_tanh"
-    m.norm, m.norm_eps, m.pre_norm = "layernorm", 1e-5, True
-    m.positions, m.max_len = "learned", 1024
-    m.tie_embeddings = True
-    m.attention_bias = m.mlp_bias = True
-    m.dropout_rate = m.attention_dropout_rate = 0.1
-    m.init_std = 0.02
-    _decoder_training(config)
-    config.data.seq_len = m.max_len  # the published context length
-    return config
+  config = common.base_config()
+  m = config.model
+  m.family = "decoder"
+  m.vocab_size = 50257
+  m.d_model, m.num_layers, m.num_heads = d_model, num_layers, num_heads
+  m.num_kv_heads, m.head_dim, m.mlp_dim = num_heads, d_model // num_heads, 4 * d_model
+  m.mlp_activation = "gelu_tanh"
+  m.norm, m.norm_eps, m.pre_norm = "layernorm", 1e-5, True
+  m.positions, m.max_len = "learned", 1024
+  m.tie_embeddings = True
+  m.attention_bias = m.mlp_bias = True
+  m.dropout_rate = m.attention_dropout_rate = 0.1
+  m.init_std = 0.02
+  _decoder_training(config)
+  config.data.seq_len = m.max_len  # the published context length
+  return config
 
 
-def _llama(vocab_size: int, d_model: int, num_layers: int, num_heads: int, num_kv_heads: int,
-           mlp_dim: int, max_len: int, tie: bool) -> ml_collections.ConfigDict:
-    config = common.base_config()
-    m = config.model
-    m.family = "decoder"
-    m.vocab_size, m.d_model, m.num_layers = vocab_size, d_model, num_layers
-    m.num_heads, m.num_kv_heads, m.head_dim = num_heads, num_kv_heads, d_model // num_heads
-    m.mlp_dim, m.mlp_activation, m.gated_mlp = mlp_dim, "silu", True
-    m.norm, m.norm_eps, m.norm_bias, m.pre_norm = "rmsnorm", 1e-5, False, True
-    m.positions, m.rope_theta, m.max_len = "rope", 10000.0, max_len
-    m.tie_embeddings = tie
-    m.attention_bias = m.mlp_bias = False
-    m.dropout_rate = m.attention_dropout_rate = 0.0
-    _decoder_training(config)
-    config.data.seq_len = m.max_len  # the published context length
-    return config
+def _llama(
+    vocab_size: int,
+    d_model: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    mlp_dim: int,
+    max_len: int,
+    tie: bool,
+) -> ml_collections.ConfigDict:
+  config = common.base_config()
+  m = config.model
+  m.family = "decoder"
+  m.vocab_size, m.d_model, m.num_layers = vocab_size, d_model, num_layers
+  m.num_heads, m.num_kv_heads, m.head_dim = num_heads, num_kv_heads, d_model // num_heads
+  m.mlp_dim, m.mlp_activation, m.gated_mlp = mlp_dim, "silu", True
+  m.norm, m.norm_eps, m.norm_bias, m.pre_norm = "rmsnorm", 1e-5, False, True
+  m.positions, m.rope_theta, m.max_len = "rope", 10000.0, max_len
+  m.tie_embeddings = tie
+  m.attention_bias = m.mlp_bias = False
+  m.dropout_rate = m.attention_dropout_rate = 0.0
+  _decoder_training(config)
+  config.data.seq_len = m.max_len  # the published context length
+  return config
 
 
 # --- training setups (owned by the trainer; see configs/train_defaults.py) ---
 def _decoder_training(config: ml_collections.ConfigDict) -> None:
-    """AdamW(0.9, 0.95), wd 0.1 on matrices only, warm-up 2000 then cosine to 10%, clip 1.0:
-    the GPT-2/3 recipe as nanoGPT reproduces it, and LLaMA's (Touvron et al. 2023, 2.2)."""
-    o, s = config.optimizer, config.schedule
-    o.name, o.learning_rate, o.b1, o.b2, o.eps = "adamw", 6e-4, 0.9, 0.95, 1e-8
-    o.weight_decay, o.grad_clip_norm = 0.1, 1.0
-    o.no_decay = ("bias", "scale", "embedding")
-    s.name, s.warmup_steps, s.end_factor = "warmup_cosine", 2000, 0.1
-    config.train.steps = 600_000
+  """AdamW(0.9, 0.95), wd 0.1 on matrices only, warm-up 2000 then cosine to 10%, clip 1.0:
+  the GPT-2/3 recipe as nanoGPT reproduces it, and LLaMA's (Touvron et al. 2023, 2.2)."""
+  o, s = config.optimizer, config.schedule
+  o.name, o.learning_rate, o.b1, o.b2, o.eps = "adamw", 6e-4, 0.9, 0.95, 1e-8
+  o.weight_decay, o.grad_clip_norm = 0.1, 1.0
+  o.no_decay = ("bias", "scale", "embedding")
+  s.name, s.warmup_steps, s.end_factor = "warmup_cosine", 2000, 0.1
+  config.train.steps = 600_000
 
 
 def _cpu_lm_training(config: ml_collections.ConfigDict) -> None:
-    """The GPT-2 recipe scaled to minutes on 2 CPU cores."""
-    o, s, t = config.optimizer, config.schedule, config.train
-    o.learning_rate, o.b2 = 2e-3, 0.99
-    s.warmup_steps = 50
-    t.steps, t.log_every, t.eval_every, t.eval_batches = 600, 50, 200, 16
-    config.data.seq_len, config.data.global_batch_size = 128, 16
-    config.data.eval_global_batch_size = 32
-    config.checkpoint.every = 500
+  """The GPT-2 recipe scaled to minutes on 2 CPU cores."""
+  o, s, t = config.optimizer, config.schedule, config.train
+  o.learning_rate, o.b2 = 2e-3, 0.99
+  s.warmup_steps = 50
+  t.steps, t.log_every, t.eval_every, t.eval_batches = 600, 50, 200, 16
+  config.data.seq_len, config.data.global_batch_size = 128, 16
+  config.data.eval_global_batch_size = 32
+  config.checkpoint.every = 500
 
 
 def tiny_shakespeare() -> ml_collections.ConfigDict:
-    """tiny on Tiny Shakespeare, byte-level; eval_bits_per_byte on the validation split."""
-    config = tiny()
-    train_defaults.tiny_shakespeare(config, task="lm")
-    _cpu_lm_training(config)
-    return config
+  """tiny on Tiny Shakespeare, byte-level; eval_bits_per_byte on the validation split."""
+  config = tiny()
+  train_defaults.tiny_shakespeare(config, task="lm")
+  _cpu_lm_training(config)
+  return config
 
 
 def tiny() -> ml_collections.ConfigDict:
-    """A GPT-2-style byte-level model that trains on 2 CPU cores in minutes."""
-    config = _gpt2(d_model=128, num_layers=4, num_heads=4)
-    config.model.vocab_size = 360  # byte tokenizer: 4 specials + 256 bytes + 100 sentinels
-    config.model.max_len = 256
-    config.model.dropout_rate = config.model.attention_dropout_rate = 0.0
-    _cpu_lm_training(config)
-    return config
+  """A GPT-2-style byte-level model that trains on 2 CPU cores in minutes."""
+  config = _gpt2(d_model=128, num_layers=4, num_heads=4)
+  config.model.vocab_size = 360  # byte tokenizer: 4 specials + 256 bytes + 100 sentinels
+  config.model.max_len = 256
+  config.model.dropout_rate = config.model.attention_dropout_rate = 0.0
+  _cpu_lm_training(config)
+  return config
 
 
 def llama_tiny() -> ml_collections.ConfigDict:
-    """LLaMA-style (RoPE, RMSNorm, SwiGLU, GQA 4:2, untied) at test scale."""
-    return _llama(vocab_size=360, d_model=128, num_layers=4, num_heads=4, num_kv_heads=2,
-                  mlp_dim=352, max_len=256, tie=False)
+  """LLaMA-style (RoPE, RMSNorm, SwiGLU, GQA 4:2, untied) at test scale."""
+  return _llama(
+      vocab_size=360,
+      d_model=128,
+      num_layers=4,
+      num_heads=4,
+      num_kv_heads=2,
+      mlp_dim=352,
+      max_len=256,
+      tie=False,
+  )
 
 
 PRESETS = {
@@ -99,8 +115,16 @@ PRESETS = {
     "gpt2-medium": lambda: _gpt2(1024, 24, 16),
     "gpt2-large": lambda: _gpt2(1280, 36, 20),
     "gpt2-xl": lambda: _gpt2(1600, 48, 25),
-    "llama-1b": lambda: _llama(vocab_size=32000, d_model=2048, num_layers=22, num_heads=32,
-                               num_kv_heads=4, mlp_dim=5632, max_len=2048, tie=False),
+    "llama-1b": lambda: _llama(
+        vocab_size=32000,
+        d_model=2048,
+        num_layers=22,
+        num_heads=32,
+        num_kv_heads=4,
+        mlp_dim=5632,
+        max_len=2048,
+        tie=False,
+    ),
     "llama-tiny": llama_tiny,
     "tiny": tiny,
     "tiny-shakespeare": tiny_shakespeare,
@@ -108,4 +132,4 @@ PRESETS = {
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    return common.get_preset(PRESETS, arg, "tiny", "gpt.py")()
+  return common.get_preset(PRESETS, arg, "tiny", "gpt.py")()

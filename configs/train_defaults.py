@@ -32,7 +32,9 @@ def optimizer_config() -> ml_collections.ConfigDict:
   """The `config.optimizer` section: optax AdamW or Adafactor, clipping, weight-decay mask."""
   c = ml_collections.ConfigDict()
   c.name = "adamw"  # "adamw" (Adam when weight_decay == 0) or "adafactor"
-  c.learning_rate = 1e-3  # peak learning rate; a multiplier of the formula for "paper"/"inverse_sqrt"
+  c.learning_rate = (
+      1e-3  # peak learning rate; a multiplier of the formula for "paper"/"inverse_sqrt"
+  )
   c.b1 = 0.9  # AdamW first-moment decay
   c.b2 = 0.999  # AdamW second-moment decay
   c.eps = 1e-8  # AdamW denominator epsilon
@@ -69,7 +71,9 @@ def checkpoint_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.every = 500  # save every this many steps (and always at the end and on SIGTERM/SIGINT)
   c.keep = 3  # keep the latest this many checkpoints
-  c.best_metric = ""  # also keep the best checkpoint by this eval metric, e.g. "eval_loss"; "" = off
+  c.best_metric = (
+      ""  # also keep the best checkpoint by this eval metric, e.g. "eval_loss"; "" = off
+  )
   c.best_mode = "min"  # "min" or "max": which value of best_metric is best
   c.async_save = True  # save in a background thread while training continues
   c.on_corrupt = "fallback"  # damaged newest checkpoint: "fallback" to an older one or "stop"
@@ -84,6 +88,7 @@ def tiny_shakespeare(config: ml_collections.ConfigDict, task: str) -> None:
   very file TFDS downloads; override --config.data.manual_dir on another machine.
   """
   import os  # pylint: disable=g-import-not-at-top
+
   root = os.environ.get("TX_JAX_DATA_DIR", "../shared/data")
   d = config.data
   d.source, d.task, d.tfds_name, d.text_key = "tfds", task, "tiny_shakespeare", "text"

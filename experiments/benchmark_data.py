@@ -19,11 +19,16 @@ from absl import flags
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", default="configs/gpt.py:tiny", help_string="Model whose train step is timed.",
-    lock_config=True)
+    "config",
+    default="configs/gpt.py:tiny",
+    help_string="Model whose train step is timed.",
+    lock_config=True,
+)
 _DATA_DIR = flags.DEFINE_string(
-    "data_dir", os.environ.get("TX_JAX_DATA_DIR", "../shared/data"),
-    "Offline data folder holding tinyshakespeare/input.txt.")
+    "data_dir",
+    os.environ.get("TX_JAX_DATA_DIR", "../shared/data"),
+    "Offline data folder holding tinyshakespeare/input.txt.",
+)
 _TFDS_DIR = flags.DEFINE_string("tfds_data_dir", None, "TFDS data_dir (None: TFDS default).")
 _BATCHES = flags.DEFINE_integer("batches", 200, "Pipeline batches timed.")
 _STEPS = flags.DEFINE_integer("steps", 10, "Train steps timed; 0 skips the step measurement.")
@@ -33,6 +38,7 @@ _OUTPUT = flags.DEFINE_string("output", "bench_out/data.json", "JSON written her
 def pipeline_rate(config, batches: int) -> tuple[float, dict]:
   """Batches/s of config's train iterator after a warm-up batch, and one batch."""
   from tx_jax import data  # pylint: disable=g-import-not-at-top
+
   it = data.build_train_iterator(config)
   first = next(it)  # preparation and the first shuffle window are not the steady state
   start = time.perf_counter()
@@ -54,6 +60,7 @@ def train_step_rate(config, batch: dict, steps: int) -> float | None:
   except ImportError:
     return None
   import functools  # pylint: disable=g-import-not-at-top
+
   module = models.build(config.model)
   apply_fn = loop.make_apply_fn(module, config.model)
   tx, schedule = optimizers.build_optimizer(config)
@@ -63,8 +70,10 @@ def train_step_rate(config, batch: dict, steps: int) -> float | None:
     return module.init({"params": rng}, *args, **kwargs, train=False)["params"]
 
   state = jax.jit(state_lib.make_init_fn(init_params, tx, config.seed))()
-  step = jax.jit(functools.partial(steps_lib.train_step, apply_fn=apply_fn, tx=tx,
-                                   schedule=schedule), donate_argnums=0)
+  step = jax.jit(
+      functools.partial(steps_lib.train_step, apply_fn=apply_fn, tx=tx, schedule=schedule),
+      donate_argnums=0,
+  )
   batch = jax.device_put(batch)
   state, metrics = step(state, batch)  # compile
   jax.block_until_ready(metrics)
@@ -94,8 +103,12 @@ def main(argv) -> None:
       "train_steps_per_s": step,
       "pipeline_to_step_ratio": None if step is None else pipe / step,
       "note": None if step is not None else "tx_jax.train absent or --steps=0: no step rate",
-      "config": {"seq_len": d.seq_len, "global_batch_size": d.global_batch_size,
-                 "read_threads": d.read_threads, "worker_count": d.worker_count},
+      "config": {
+          "seq_len": d.seq_len,
+          "global_batch_size": d.global_batch_size,
+          "read_threads": d.read_threads,
+          "worker_count": d.worker_count,
+      },
   }
   out = pathlib.Path(_OUTPUT.value)
   out.parent.mkdir(parents=True, exist_ok=True)

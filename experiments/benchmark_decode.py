@@ -37,112 +37,138 @@ _TORCH_THREADS = flags.DEFINE_integer("torch_threads", 1, "torch.set_num_threads
 
 
 def _median_time(fn, repeats: int) -> float:
-    fn()  # compile / warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+  fn()  # compile / warm up
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
 
 
 def main(argv) -> None:
-    del argv
-    logging.set_verbosity(logging.ERROR)
-    import jax  # pylint: disable=g-import-not-at-top
-    import jax.numpy as jnp
-    import numpy as np
+  del argv
+  logging.set_verbosity(logging.ERROR)
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp
+  import numpy as np
 
-    from configs import gpt
-    from tx_jax import decode, hf, models
-    from tx_jax.decode import models as dm
+  from configs import gpt
+  from tx_jax import decode, hf, models
+  from tx_jax.decode import models as dm
 
-    news, batches = [int(n) for n in _NEW.value], [int(b) for b in _BATCH.value]
-    config = gpt.get_config(_PRESET.value)
-    config.model.max_len = max(config.model.max_len, _PROMPT_LEN.value + max(news))
-    config.model.dropout_rate = config.model.attention_dropout_rate = 0.0
-    module = models.build(config.model)
-    params = jax.jit(lambda k: module.init(k, jnp.zeros((1, 8), jnp.int32))["params"])(
-        jax.random.key(0))
-    import flax.linen as nn  # pylint: disable=g-import-not-at-top
-    params = nn.meta.unbox(params)
-    rng = np.random.default_rng(0)
-    results = {"preset": _PRESET.value, "model": config.model.to_dict(),
-               "prompt_len": _PROMPT_LEN.value, "devices": str(jax.devices()), "runs": []}
+  news, batches = [int(n) for n in _NEW.value], [int(b) for b in _BATCH.value]
+  config = gpt.get_config(_PRESET.value)
+  config.model.max_len = max(config.model.max_len, _PROMPT_LEN.value + max(news))
+  config.model.dropout_rate = config.model.attention_dropout_rate = 0.0
+  module = models.build(config.model)
+  params = jax.jit(lambda k: module.init(k, jnp.zeros((1, 8), jnp.int32))["params"])(
+      jax.random.key(0)
+  )
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
 
-    hf_model = None
-    if not _SKIP_HF.value:
-        import torch  # pylint: disable=g-import-not-at-top
-        import transformers
-        torch.set_num_threads(_TORCH_THREADS.value)
-        hf_dir = tempfile.mkdtemp()
-        hf.to_pretrained(config, params, hf_dir)
-        hf_model = transformers.GPT2LMHeadModel.from_pretrained(hf_dir).eval()
-        results["torch_threads"] = torch.get_num_threads()
+  params = nn.meta.unbox(params)
+  rng = np.random.default_rng(0)
+  results = {
+      "preset": _PRESET.value,
+      "model": config.model.to_dict(),
+      "prompt_len": _PROMPT_LEN.value,
+      "devices": str(jax.devices()),
+      "runs": [],
+  }
 
-    for batch in batches:
-        prompts = rng.integers(4, config.model.vocab_size, (batch, _PROMPT_LEN.value)).tolist()
-        for new in news:
-            row = {"batch": batch, "new_tokens": new}
-            prompt = decode.make_prompt(prompts, max_new_tokens=new, max_len=config.model.max_len)
-            strategy = dm.Strategy("greedy", max_new_tokens=new)
-            run = lambda: jax.block_until_ready(  # noqa: E731
-                dm.generate(module, params, prompt, strategy, eos_id=None).tokens)
-            t = _median_time(run, _REPEATS.value)
-            row["cache_tokens_per_s"] = batch * new / t
-            row["cache_ms_per_token"] = 1e3 * t / new
+  hf_model = None
+  if not _SKIP_HF.value:
+    import torch  # pylint: disable=g-import-not-at-top
+    import transformers
 
-            step = dm.recompute_step_fn(module)
-            buffers = dm.recompute_buffers(batch, _PROMPT_LEN.value + new - 1)
-            one = jnp.ones((batch, 1), jnp.int32)
-            step_jit = jax.jit(lambda p, b: step(p, one, one, one, b)[0])
-            steps = lambda: [jax.block_until_ready(step_jit(params, buffers))  # noqa: E731
-                             for _ in range(_NOCACHE_STEPS.value)]
-            t_step = _median_time(steps, _REPEATS.value) / _NOCACHE_STEPS.value
-            row["nocache_tokens_per_s"] = batch / t_step
-            row["nocache_ms_per_token"] = 1e3 * t_step
+    torch.set_num_threads(_TORCH_THREADS.value)
+    hf_dir = tempfile.mkdtemp()
+    hf.to_pretrained(config, params, hf_dir)
+    hf_model = transformers.GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+    results["torch_threads"] = torch.get_num_threads()
 
-            if hf_model is not None:
-                ids = torch.tensor(prompts)
-                gen = lambda: hf_model.generate(  # noqa: E731
-                    ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=1,
-                    max_new_tokens=new, min_new_tokens=new, pad_token_id=0, use_cache=True)
-                with torch.no_grad():
-                    t_hf = _median_time(gen, _REPEATS.value)
-                row["hf_tokens_per_s"] = batch * new / t_hf
-                row["ratio_cache_vs_hf"] = row["cache_tokens_per_s"] / row["hf_tokens_per_s"]
-            results["runs"].append(row)
-            print(json.dumps(row), flush=True)
+  for batch in batches:
+    prompts = rng.integers(4, config.model.vocab_size, (batch, _PROMPT_LEN.value)).tolist()
+    for new in news:
+      row = {"batch": batch, "new_tokens": new}
+      prompt = decode.make_prompt(prompts, max_new_tokens=new, max_len=config.model.max_len)
+      strategy = dm.Strategy("greedy", max_new_tokens=new)
+      run = lambda: jax.block_until_ready(  # noqa: E731
+          dm.generate(module, params, prompt, strategy, eos_id=None).tokens
+      )
+      t = _median_time(run, _REPEATS.value)
+      row["cache_tokens_per_s"] = batch * new / t
+      row["cache_ms_per_token"] = 1e3 * t / new
 
-    out = pathlib.Path(_OUT_DIR.value)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "decode_benchmark.json").write_text(json.dumps(results, indent=2) + "\n")
-    _plot(results, out / "decode_benchmark.png")
-    print(f"wrote {out / 'decode_benchmark.json'} and {out / 'decode_benchmark.png'}")
+      step = dm.recompute_step_fn(module)
+      buffers = dm.recompute_buffers(batch, _PROMPT_LEN.value + new - 1)
+      one = jnp.ones((batch, 1), jnp.int32)
+      step_jit = jax.jit(lambda p, b: step(p, one, one, one, b)[0])
+      steps = lambda: [
+          jax.block_until_ready(step_jit(params, buffers))  # noqa: E731
+          for _ in range(_NOCACHE_STEPS.value)
+      ]
+      t_step = _median_time(steps, _REPEATS.value) / _NOCACHE_STEPS.value
+      row["nocache_tokens_per_s"] = batch / t_step
+      row["nocache_ms_per_token"] = 1e3 * t_step
+
+      if hf_model is not None:
+        ids = torch.tensor(prompts)
+        gen = lambda: hf_model.generate(  # noqa: E731
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            num_beams=1,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            pad_token_id=0,
+            use_cache=True,
+        )
+        with torch.no_grad():
+          t_hf = _median_time(gen, _REPEATS.value)
+        row["hf_tokens_per_s"] = batch * new / t_hf
+        row["ratio_cache_vs_hf"] = row["cache_tokens_per_s"] / row["hf_tokens_per_s"]
+      results["runs"].append(row)
+      print(json.dumps(row), flush=True)
+
+  out = pathlib.Path(_OUT_DIR.value)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "decode_benchmark.json").write_text(json.dumps(results, indent=2) + "\n")
+  _plot(results, out / "decode_benchmark.png")
+  print(f"wrote {out / 'decode_benchmark.json'} and {out / 'decode_benchmark.png'}")
 
 
 def _plot(results: dict, path: pathlib.Path) -> None:
-    import matplotlib  # pylint: disable=g-import-not-at-top
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+  import matplotlib  # pylint: disable=g-import-not-at-top
 
-    batches = sorted({r["batch"] for r in results["runs"]})
-    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
-    for ax, batch in zip(axes[0], batches):
-        runs = [r for r in results["runs"] if r["batch"] == batch]
-        news = [r["new_tokens"] for r in runs]
-        for key, label in (("cache_tokens_per_s", "tx_jax, KV cache"),
-                           ("nocache_tokens_per_s", "tx_jax, no cache"),
-                           ("hf_tokens_per_s", "transformers generate")):
-            if key in runs[0]:
-                ax.plot(news, [r[key] for r in runs], marker="o", label=label)
-        ax.set(xscale="log", yscale="log", xlabel="new tokens", ylabel="tokens / s",
-               title=f"greedy decode, batch {batch}")
-        ax.set_xticks(news, [str(n) for n in news])
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  batches = sorted({r["batch"] for r in results["runs"]})
+  fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
+  for ax, batch in zip(axes[0], batches):
+    runs = [r for r in results["runs"] if r["batch"] == batch]
+    news = [r["new_tokens"] for r in runs]
+    for key, label in (
+        ("cache_tokens_per_s", "tx_jax, KV cache"),
+        ("nocache_tokens_per_s", "tx_jax, no cache"),
+        ("hf_tokens_per_s", "transformers generate"),
+    ):
+      if key in runs[0]:
+        ax.plot(news, [r[key] for r in runs], marker="o", label=label)
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="new tokens",
+        ylabel="tokens / s",
+        title=f"greedy decode, batch {batch}",
+    )
+    ax.set_xticks(news, [str(n) for n in news])
+    ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
-    app.run(main)
+  app.run(main)

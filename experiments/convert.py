@@ -20,8 +20,11 @@ _FROM_HF = flags.DEFINE_string("from_hf", None, "HuggingFace model directory to 
 _TO_HF = flags.DEFINE_string("to_hf", None, "HuggingFace model directory to write.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "tx_jax trainer workdir.", required=True)
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Config file[:preset] whose non-model sections --from_hf uses.",
-    lock_config=False)
+    "config",
+    None,
+    "Config file[:preset] whose non-model sections --from_hf uses.",
+    lock_config=False,
+)
 
 
 def main(argv) -> int:
@@ -30,6 +33,7 @@ def main(argv) -> int:
   if (_FROM_HF.value is None) == (_TO_HF.value is None):
     raise app.UsageError("give exactly one of --from_hf DIR or --to_hf OUT_HF")
   from tx_jax import hf  # pylint: disable=g-import-not-at-top
+
   try:
     if _FROM_HF.value:
       config, _, params = hf.from_pretrained(_FROM_HF.value)
@@ -38,8 +42,7 @@ def main(argv) -> int:
         config.model = model
       from tx_jax import data  # pylint: disable=g-import-not-at-top
       # The trainer restores the data iterator with the state: save a fresh one.
-      where = hf.save_to_workdir(config, params, _WORKDIR.value,
-                                 data.build_train_iterator(config))
+      where = hf.save_to_workdir(config, params, _WORKDIR.value, data.build_train_iterator(config))
       print(f"wrote {_WORKDIR.value}/config.json and step 0 under {where}")
     else:
       config, params, step = hf.load_from_workdir(_WORKDIR.value)

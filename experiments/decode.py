@@ -13,8 +13,9 @@ import sys
 
 from absl import app, flags, logging
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Trainer workdir or HF model directory.",
-                               required=True)
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Trainer workdir or HF model directory.", required=True
+)
 _PROMPT = flags.DEFINE_string("prompt", None, "Text to continue (or translate, for encdec).")
 _PROMPT_IDS = flags.DEFINE_string("prompt_ids", None, "Comma-separated token ids, e.g. 1,2,3.")
 _INPUT_FILE = flags.DEFINE_string("input_file", None, "One input text per line.")
@@ -32,62 +33,77 @@ _BATCH_SIZE = flags.DEFINE_integer("batch_size", 32, "Inputs decoded together.")
 
 
 def main(argv) -> int:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    sources = [f for f in ("prompt", "prompt_ids", "input_file") if flags.FLAGS[f].value is not None]
-    if len(sources) != 1:
-        raise app.UsageError(f"give exactly one of --prompt, --prompt_ids, --input_file "
-                             f"(got {sources or 'none'})")
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.ERROR)  # Orbax warns about read-only checkpoint dirs
-    import jax  # pylint: disable=g-import-not-at-top
-    from tx_jax.decode import models as dm, workdir as wd  # pylint: disable=g-import-not-at-top
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  sources = [f for f in ("prompt", "prompt_ids", "input_file") if flags.FLAGS[f].value is not None]
+  if len(sources) != 1:
+    raise app.UsageError(
+        f"give exactly one of --prompt, --prompt_ids, --input_file " f"(got {sources or 'none'})"
+    )
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.ERROR)  # Orbax warns about read-only checkpoint dirs
+  import jax  # pylint: disable=g-import-not-at-top
+  from tx_jax.decode import models as dm, workdir as wd  # pylint: disable=g-import-not-at-top
 
-    strategy = dm.Strategy(
-        _STRATEGY.value or ("beam" if _INPUT_FILE.value else "sample"),
-        max_new_tokens=_MAX_NEW_TOKENS.value, temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
-        top_p=_TOP_P.value, beam_size=_BEAM_SIZE.value, alpha=_ALPHA.value).validate()
-    config, module, params, _ = wd.load(_WORKDIR.value)
-    tokenizer = wd.build_tokenizer(config, _WORKDIR.value)
-    eos_id, start_id = wd.special_ids(config, _WORKDIR.value, tokenizer)
-    if _PROMPT_IDS.value is not None:
-        try:
-            texts, inputs = None, [[int(t) for t in _PROMPT_IDS.value.split(",") if t.strip()]]
-        except ValueError:
-            raise app.UsageError(f"--prompt_ids={_PROMPT_IDS.value!r}: expected comma-separated "
-                                 "integers, e.g. 1,2,3") from None
-    else:
-        if tokenizer is None:
-            raise app.UsageError(f"{_WORKDIR.value} has no tokenizer tx_jax can load; pass "
-                                 "--prompt_ids instead of text")
-        if _PROMPT.value is not None:
-            texts = [_PROMPT.value]
-        else:
-            with open(_INPUT_FILE.value, encoding="utf-8") as f:
-                texts = [line.rstrip("\n") for line in f]
-        # Sources end with EOS, as in training (tx_jax.data.tasks.truncate_eos).
-        suffix = [eos_id] if module.config.family == "encdec" else []
-        inputs = [tokenizer.encode(t) + suffix if t else [] for t in texts]
+  strategy = dm.Strategy(
+      _STRATEGY.value or ("beam" if _INPUT_FILE.value else "sample"),
+      max_new_tokens=_MAX_NEW_TOKENS.value,
+      temperature=_TEMPERATURE.value,
+      top_k=_TOP_K.value,
+      top_p=_TOP_P.value,
+      beam_size=_BEAM_SIZE.value,
+      alpha=_ALPHA.value,
+  ).validate()
+  config, module, params, _ = wd.load(_WORKDIR.value)
+  tokenizer = wd.build_tokenizer(config, _WORKDIR.value)
+  eos_id, start_id = wd.special_ids(config, _WORKDIR.value, tokenizer)
+  if _PROMPT_IDS.value is not None:
     try:
-        outputs = wd.decode_inputs(
-            module, params, inputs, strategy, eos_id=eos_id, decoder_start_id=start_id,
-            rng=jax.random.key(_SEED.value), batch_size=min(_BATCH_SIZE.value, len(inputs)))
-    except ValueError as e:  # bad input (empty or too long): say which, without a traceback
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    lines = []
-    for i, ids in enumerate(outputs):
-        record = {"input": texts[i] if texts else inputs[i], "tokens": ids}
-        if tokenizer is not None:
-            record["text"] = tokenizer.decode(ids)
-        lines.append(record.get("text", " ".join(map(str, ids))))
-        print(json.dumps(record, ensure_ascii=False) if _JSON.value else lines[-1], flush=True)
-    if _OUTPUT_FILE.value:
-        with open(_OUTPUT_FILE.value, "w", encoding="utf-8") as f:
-            # One line per input: line breaks inside an output become spaces.
-            f.writelines(line.replace("\r", " ").replace("\n", " ") + "\n" for line in lines)
-    return 0
+      texts, inputs = None, [[int(t) for t in _PROMPT_IDS.value.split(",") if t.strip()]]
+    except ValueError:
+      raise app.UsageError(
+          f"--prompt_ids={_PROMPT_IDS.value!r}: expected comma-separated " "integers, e.g. 1,2,3"
+      ) from None
+  else:
+    if tokenizer is None:
+      raise app.UsageError(
+          f"{_WORKDIR.value} has no tokenizer tx_jax can load; pass " "--prompt_ids instead of text"
+      )
+    if _PROMPT.value is not None:
+      texts = [_PROMPT.value]
+    else:
+      with open(_INPUT_FILE.value, encoding="utf-8") as f:
+        texts = [line.rstrip("\n") for line in f]
+    # Sources end with EOS, as in training (tx_jax.data.tasks.truncate_eos).
+    suffix = [eos_id] if module.config.family == "encdec" else []
+    inputs = [tokenizer.encode(t) + suffix if t else [] for t in texts]
+  try:
+    outputs = wd.decode_inputs(
+        module,
+        params,
+        inputs,
+        strategy,
+        eos_id=eos_id,
+        decoder_start_id=start_id,
+        rng=jax.random.key(_SEED.value),
+        batch_size=min(_BATCH_SIZE.value, len(inputs)),
+    )
+  except ValueError as e:  # bad input (empty or too long): say which, without a traceback
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  lines = []
+  for i, ids in enumerate(outputs):
+    record = {"input": texts[i] if texts else inputs[i], "tokens": ids}
+    if tokenizer is not None:
+      record["text"] = tokenizer.decode(ids)
+    lines.append(record.get("text", " ".join(map(str, ids))))
+    print(json.dumps(record, ensure_ascii=False) if _JSON.value else lines[-1], flush=True)
+  if _OUTPUT_FILE.value:
+    with open(_OUTPUT_FILE.value, "w", encoding="utf-8") as f:
+      # One line per input: line breaks inside an output become spaces.
+      f.writelines(line.replace("\r", " ").replace("\n", " ") + "\n" for line in lines)
+  return 0
 
 
 if __name__ == "__main__":
-    app.run(main)
+  app.run(main)

@@ -13,8 +13,11 @@ from absl import logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", default="configs/transformer.py", help_string="Config file[:preset].",
-    lock_config=True)
+    "config",
+    default="configs/transformer.py",
+    help_string="Config file[:preset].",
+    lock_config=True,
+)
 _WORKDIR = flags.DEFINE_string("workdir", "runs/default", "Output directory; resumed if present.")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Describe the model and its sharding, then exit.")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
@@ -28,10 +31,12 @@ def main(argv) -> int:
   if not flags.FLAGS["verbosity"].present:  # library INFO lines (Orbax) drown the progress
     logging.set_verbosity(logging.WARNING)
   from tx_jax import sharding  # pylint: disable=g-import-not-at-top
+
   sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   config = _CONFIG.value
   from tx_jax import checkpoint  # pylint: disable=g-import-not-at-top
   from tx_jax.train import loop  # pylint: disable=g-import-not-at-top
+
   if _DRY_RUN.value:
     print(loop.dry_run_report(config))
     return 0
@@ -41,8 +46,10 @@ def main(argv) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 1
   shown = {k: v for k, v in result.items() if k.startswith("eval_") or k in ("step", "loss")}
-  print("done:", "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                          for k, v in shown.items()))
+  print(
+      "done:",
+      "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items()),
+  )
   return 0
 
 

@@ -14,23 +14,31 @@ from absl import flags
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", default="configs/transformer.py", help_string="Config file[:preset].",
-    lock_config=True)
-_PREFIX = flags.DEFINE_string("model_prefix", None,
-                              "Output path without extension (default: data.spm_model_path).")
+    "config",
+    default="configs/transformer.py",
+    help_string="Config file[:preset].",
+    lock_config=True,
+)
+_PREFIX = flags.DEFINE_string(
+    "model_prefix", None, "Output path without extension (default: data.spm_model_path)."
+)
 
 
 def main(argv) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   from tx_jax.data import sources, tokenizers  # pylint: disable=g-import-not-at-top
+
   data_cfg = _CONFIG.value.data
   prefix = _PREFIX.value or data_cfg.spm_model_path.removesuffix(".model")
   if not prefix:
     raise app.UsageError("give --model_prefix or --config.data.spm_model_path")
   path = tokenizers.train_sentencepiece(
-      sources.texts(data_cfg, data_cfg.train_split), prefix, vocab_size=data_cfg.vocab_size,
-      model_type=data_cfg.spm_model_type)
+      sources.texts(data_cfg, data_cfg.train_split),
+      prefix,
+      vocab_size=data_cfg.vocab_size,
+      model_type=data_cfg.spm_model_type,
+  )
   print(f"wrote {path}")
 
 

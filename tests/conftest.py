@@ -15,20 +15,20 @@ import pytest  # noqa: E402
 
 
 def shared_data_dir() -> pathlib.Path | None:
-    """The offline data folder: $TX_JAX_DATA_DIR, else ../shared/data beside the repo."""
-    env = os.environ.get("TX_JAX_DATA_DIR")
-    candidates = [pathlib.Path(env)] if env else []
-    candidates.append(pathlib.Path(__file__).resolve().parents[2] / "shared" / "data")
-    for path in candidates:
-        if path.is_dir():
-            return path
-    return None
+  """The offline data folder: $TX_JAX_DATA_DIR, else ../shared/data beside the repo."""
+  env = os.environ.get("TX_JAX_DATA_DIR")
+  candidates = [pathlib.Path(env)] if env else []
+  candidates.append(pathlib.Path(__file__).resolve().parents[2] / "shared" / "data")
+  for path in candidates:
+    if path.is_dir():
+      return path
+  return None
 
 
 @pytest.fixture
 def data_dir() -> pathlib.Path:
-    """Path to the shared offline data sets; skips the test when they are absent."""
-    path = shared_data_dir()
-    if path is None:
-        pytest.skip("offline data not found: set TX_JAX_DATA_DIR to a copy of shared/data")
-    return path
+  """Path to the shared offline data sets; skips the test when they are absent."""
+  path = shared_data_dir()
+  if path is None:
+    pytest.skip("offline data not found: set TX_JAX_DATA_DIR to a copy of shared/data")
+  return path

@@ -14,9 +14,12 @@ from tx_jax import checkpoint
 
 
 def _state(seed: float):
-  return {"w": jnp.arange(4096, dtype=jnp.float32).reshape(64, 64) * seed,
-          "b": jnp.full((7,), seed, jnp.bfloat16), "step": jnp.int32(seed),
-          "rng": jax.random.PRNGKey(int(seed))}
+  return {
+      "w": jnp.arange(4096, dtype=jnp.float32).reshape(64, 64) * seed,
+      "b": jnp.full((7,), seed, jnp.bfloat16),
+      "step": jnp.int32(seed),
+      "rng": jax.random.PRNGKey(int(seed)),
+  }
 
 
 def _abstract(state):
@@ -72,8 +75,10 @@ def test_keeps_last_k_plus_best(tmp_path):
 def test_damaged_newest_falls_back_to_previous(tmp_path, damage, caplog):
   ck = _manager(tmp_path)
   _save_steps(ck, [1, 2])
-  files = sorted((p for p in (tmp_path / "checkpoints" / "2" / "state").rglob("*")
-                  if p.is_file()), key=lambda p: p.stat().st_size)
+  files = sorted(
+      (p for p in (tmp_path / "checkpoints" / "2" / "state").rglob("*") if p.is_file()),
+      key=lambda p: p.stat().st_size,
+  )
   biggest = files[-1]
   if damage == "truncate":
     os.truncate(biggest, biggest.stat().st_size // 2)
@@ -83,7 +88,7 @@ def test_damaged_newest_falls_back_to_previous(tmp_path, damage, caplog):
   else:  # flip bytes in the middle of the array data; no reader error, just wrong values
     raw = bytearray(biggest.read_bytes())
     mid = len(raw) // 2
-    raw[mid:mid + 8] = bytes(b ^ 0xFF for b in raw[mid:mid + 8])
+    raw[mid : mid + 8] = bytes(b ^ 0xFF for b in raw[mid : mid + 8])
     biggest.write_bytes(bytes(raw))
   with caplog.at_level("WARNING"):
     state, step = _manager(tmp_path).restore_latest(_abstract(_state(0.0)), _iterator())
@@ -108,7 +113,9 @@ def test_never_saves_non_finite(tmp_path):
   _save_steps(ck, [1])
   bad = _state(2.0)
   bad["w"] = bad["w"].at[3, 3].set(jnp.nan)
-  with pytest.raises(checkpoint.CheckpointError, match="NaN or Inf.*last good checkpoint is step 1"):
+  with pytest.raises(
+      checkpoint.CheckpointError, match="NaN or Inf.*last good checkpoint is step 1"
+  ):
     ck.save(2, bad, _iterator())
   ck.wait()
   assert ck.manager.all_steps() == [1]

@@ -28,8 +28,12 @@ INPUT = {"data.num_shards": 2}
 
 
 def _env(devices: int) -> dict:
-  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
-             JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
+  env = dict(
+      os.environ,
+      JAX_PLATFORMS="cpu",
+      TF_CPP_MIN_LOG_LEVEL="3",
+      JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
+  )
   flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
   env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
   return env
@@ -42,17 +46,30 @@ def _free_port() -> int:
 
 
 def _flags(corpus, workdir) -> list[str]:
-  return runs.tiny_gpt_flags(corpus, workdir, steps=STEPS, **{"checkpoint.every": EVERY}, **MESH,
-                             **INPUT)
+  return runs.tiny_gpt_flags(
+      corpus, workdir, steps=STEPS, **{"checkpoint.every": EVERY}, **MESH, **INPUT
+  )
 
 
 def _launch_pair(corpus, workdir) -> list[subprocess.Popen]:
   port = _free_port()
   return [
       subprocess.Popen(
-          [sys.executable, "-m", "experiments.train", *_flags(corpus, workdir),
-           f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"],
-          cwd=REPO, env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+          [
+              sys.executable,
+              "-m",
+              "experiments.train",
+              *_flags(corpus, workdir),
+              f"--coordinator_address=127.0.0.1:{port}",
+              "--num_processes=2",
+              f"--process_id={i}",
+          ],
+          cwd=REPO,
+          env=_env(4),
+          stdout=subprocess.PIPE,
+          stderr=subprocess.STDOUT,
+          text=True,
+      )
       for i in range(2)
   ]
 
@@ -73,8 +90,14 @@ def _finish(procs, timeout=600) -> list[str]:
 def test_two_processes_train_checkpoint_die_resume_and_match_one_process(tmp_path):
   corpus = runs.write_corpus(tmp_path / "corpus.txt")
   single, multi = tmp_path / "single", tmp_path / "multi"
-  done = subprocess.run([sys.executable, "-m", "experiments.train", *_flags(corpus, single)],
-                        cwd=REPO, env=_env(8), capture_output=True, text=True, timeout=600)
+  done = subprocess.run(
+      [sys.executable, "-m", "experiments.train", *_flags(corpus, single)],
+      cwd=REPO,
+      env=_env(8),
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
   procs = _launch_pair(corpus, multi)
@@ -83,8 +106,10 @@ def test_two_processes_train_checkpoint_die_resume_and_match_one_process(tmp_pat
     if any(p.poll() is not None for p in procs):
       for p in procs:
         p.kill()
-      raise AssertionError("a process exited before the first checkpoint:\n"
-                           + "\n".join(p.stdout.read()[-3000:] for p in procs))
+      raise AssertionError(
+          "a process exited before the first checkpoint:\n"
+          + "\n".join(p.stdout.read()[-3000:] for p in procs)
+      )
     assert time.time() - start < 600, "too slow to reach the first checkpoint"
     time.sleep(0.02)
   for p in procs:  # preemption: both hosts die at once, without a chance to save
@@ -96,17 +121,21 @@ def test_two_processes_train_checkpoint_die_resume_and_match_one_process(tmp_pat
   assert killed_at < STEPS, f"the run logged step {killed_at} before being killed"
 
   outs = _finish(_launch_pair(corpus, multi))
-  assert f"resumed from step {EVERY}" in outs[0] or f"resumed from step {EVERY}" in outs[1], (
-      outs[0][-3000:])
+  assert f"resumed from step {EVERY}" in outs[0] or f"resumed from step {EVERY}" in outs[1], outs[
+      0
+  ][-3000:]
 
   expected, got = runs.losses(single), runs.losses(multi)
   assert sorted(expected) == sorted(got) == list(range(1, STEPS + 1))
-  table = "\n".join(f"step {s:2d}: 1 process x 8 devices {expected[s]:.9f}   "
-                    f"2 processes x 4 devices {got[s]:.9f}" for s in expected)
+  table = "\n".join(
+      f"step {s:2d}: 1 process x 8 devices {expected[s]:.9f}   "
+      f"2 processes x 4 devices {got[s]:.9f}"
+      for s in expected
+  )
   print(f"killed after step {killed_at}, resumed from step {EVERY}\n{table}")
   report = os.environ.get("TX_JAX_MULTIHOST_TABLE")
   if report:
-    pathlib.Path(report).write_text(f"killed after step {killed_at}, resumed from {EVERY}\n"
-                                    + table + "\n")
-  np.testing.assert_allclose([got[s] for s in expected], [expected[s] for s in expected],
-                             rtol=1e-6)
+    pathlib.Path(report).write_text(
+        f"killed after step {killed_at}, resumed from {EVERY}\n" + table + "\n"
+    )
+  np.testing.assert_allclose([got[s] for s in expected], [expected[s] for s in expected], rtol=1e-6)

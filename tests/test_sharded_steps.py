@@ -34,16 +34,29 @@ BATCH, LEN = 8, 8
 LR = 0.5  # large, so the updated params differ from the init by a measurable amount
 
 # The default rules, written out independently: the mesh axis each logical name must use.
-EXPECTED_AXIS = {"vocab": "tensor", "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor",
-                 "embed": "fsdp", "head_dim": None, "layers": None, "relpos_buckets": None,
-                 "type_vocab": None, "position": None}
+EXPECTED_AXIS = {
+    "vocab": "tensor",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "mlp": "tensor",
+    "embed": "fsdp",
+    "head_dim": None,
+    "layers": None,
+    "relpos_buckets": None,
+    "type_vocab": None,
+    "position": None,
+}
 
 
 def _family_config(name: str):
   """A test-scale preset of each family; widths divide by every test mesh's axes."""
-  config = {"gpt": lambda: gpt.get_config("tiny"), "llama": lambda: gpt.get_config("llama-tiny"),
-            "bert": lambda: bert.get_config("tiny"), "transformer": lambda: transformer.get_config("tiny"),
-            "t5": lambda: t5.get_config("tiny")}[name]()
+  config = {
+      "gpt": lambda: gpt.get_config("tiny"),
+      "llama": lambda: gpt.get_config("llama-tiny"),
+      "bert": lambda: bert.get_config("tiny"),
+      "transformer": lambda: transformer.get_config("tiny"),
+      "t5": lambda: t5.get_config("tiny"),
+  }[name]()
   m = config.model
   m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 32, 4, 4, 8, 64
   m.num_layers, m.max_len = 1, 16  # one layer: compile time dominates these tests
@@ -66,10 +79,10 @@ def _batch(config) -> dict:
   def ids_segments_positions():
     ids = rng.integers(4, vocab, (BATCH, LEN)).astype(np.int32)
     seg = np.ones((BATCH, LEN), np.int32)
-    seg[1, LEN // 2:] = 2  # row 1 packs two documents
-    seg[2, LEN - 3:] = 0  # row 2 ends in padding
+    seg[1, LEN // 2 :] = 2  # row 1 packs two documents
+    seg[2, LEN - 3 :] = 0  # row 2 ends in padding
     pos = np.tile(np.arange(LEN, dtype=np.int32), (BATCH, 1))
-    pos[1, LEN // 2:] -= LEN // 2
+    pos[1, LEN // 2 :] -= LEN // 2
     ids[seg == 0] = 0
     pos[seg == 0] = 0
     return ids, seg, pos
@@ -80,19 +93,36 @@ def _batch(config) -> dict:
     tgt, tgt_seg, tgt_pos = ids_segments_positions()
     dec_in = np.where(tgt_seg > 0, np.roll(tgt, 1, axis=1), 0).astype(np.int32)
     dec_in[:, 0] = 1
-    return dict(encoder_inputs=src, encoder_segment_ids=src_seg, encoder_positions=src_pos,
-                decoder_inputs=dec_in, decoder_segment_ids=tgt_seg, decoder_positions=tgt_pos,
-                targets=tgt, weights=(tgt_seg > 0).astype(np.float32))
+    return dict(
+        encoder_inputs=src,
+        encoder_segment_ids=src_seg,
+        encoder_positions=src_pos,
+        decoder_inputs=dec_in,
+        decoder_segment_ids=tgt_seg,
+        decoder_positions=tgt_pos,
+        targets=tgt,
+        weights=(tgt_seg > 0).astype(np.float32),
+    )
   ids, seg, pos = ids_segments_positions()
   if family == "decoder":
     targets = np.where(seg > 0, np.roll(ids, -1, axis=1), 0).astype(np.int32)
-    return dict(inputs=ids, targets=targets, weights=(targets > 0).astype(np.float32),
-                segment_ids=seg, positions=pos)
+    return dict(
+        inputs=ids,
+        targets=targets,
+        weights=(targets > 0).astype(np.float32),
+        segment_ids=seg,
+        positions=pos,
+    )
   selected = (rng.random((BATCH, LEN)) < 0.3) & (seg > 0)
   masked = np.where(selected, 3, ids).astype(np.int32)
-  return dict(inputs=masked, token_type_ids=(pos >= LEN // 2).astype(np.int32), segment_ids=seg,
-              positions=pos, targets=np.where(selected, ids, 0).astype(np.int32),
-              weights=selected.astype(np.float32))
+  return dict(
+      inputs=masked,
+      token_type_ids=(pos >= LEN // 2).astype(np.int32),
+      segment_ids=seg,
+      positions=pos,
+      targets=np.where(selected, ids, 0).astype(np.int32),
+      weights=selected.astype(np.float32),
+  )
 
 
 def _parts(config):
@@ -121,8 +151,13 @@ def reference(request):
   _, init_fn, step = _parts(config)
   state0 = jax.jit(init_fn)()
   state1, metrics = jax.jit(step)(state0, _batch(config))
-  moved = [np.max(np.abs(a - b)) for a, b in zip(jax.tree.leaves(jax.device_get(state1.params)),
-                                                 jax.tree.leaves(jax.device_get(state0.params)))]
+  moved = [
+      np.max(np.abs(a - b))
+      for a, b in zip(
+          jax.tree.leaves(jax.device_get(state1.params)),
+          jax.tree.leaves(jax.device_get(state0.params)),
+      )
+  ]
   # Guards against a vacuous comparison (e.g. a zero learning rate). Not every leaf moves:
   # BERT's pooler gets no gradient from the MLM loss.
   assert np.mean(np.array(moved) > 0) > 0.9, "the reference step must change the params"
@@ -157,8 +192,12 @@ def test_sharded_step_equals_single_device_step(reference, mesh_shape):
   shardings = sharding.state_shardings(abstract, boxed, mesh, rules)
   state0 = jax.jit(init_fn, out_shardings=shardings)()
   batch_sh = sharding.batch_sharding(mesh)
-  jstep = jax.jit(sharding.with_rules(step, mesh, rules), in_shardings=(shardings, batch_sh),
-                  out_shardings=(shardings, sharding.replicated(mesh)), donate_argnums=0)
+  jstep = jax.jit(
+      sharding.with_rules(step, mesh, rules),
+      in_shardings=(shardings, batch_sh),
+      out_shardings=(shardings, sharding.replicated(mesh)),
+      donate_argnums=0,
+  )
   batch = jax.device_put(_batch(config), batch_sh)
 
   # The sharded init is the same init.
@@ -167,8 +206,9 @@ def test_sharded_step_equals_single_device_step(reference, mesh_shape):
 
   # Parameters (and their Adam moments) sit on the devices as the rules say.
   sizes = dict(mesh.shape)
-  names = jax.tree_util.tree_flatten_with_path(boxed, is_leaf=lambda x: isinstance(
-      x, nn.meta.AxisMetadata))[0]
+  names = jax.tree_util.tree_flatten_with_path(
+      boxed, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata)
+  )[0]
   arrays = jax.tree_util.tree_leaves(state0.params)
   assert len(names) == len(arrays)
   for (path, box), array in zip(names, arrays):
@@ -185,8 +225,9 @@ def test_sharded_step_equals_single_device_step(reference, mesh_shape):
   new, ref = jax.device_get(state1.params), ref1.params
   deltas = (abs(loss - ref_loss) / abs(ref_loss), _rel(new, ref))
   # The updates themselves (new - init), i.e. -LR x the gradient, agree closely too.
-  updates = _rel(jax.tree.map(np.subtract, new, ref0.params),
-                 jax.tree.map(np.subtract, ref, ref0.params))
+  updates = _rel(
+      jax.tree.map(np.subtract, new, ref0.params), jax.tree.map(np.subtract, ref, ref0.params)
+  )
   DELTAS[(family, mesh_shape)] = (*deltas, updates)
   assert max(deltas) < 1e-5, (family, mesh_shape, deltas)
   assert updates < 1e-4, (family, mesh_shape, updates)
@@ -196,12 +237,17 @@ def test_sharded_step_equals_single_device_step(reference, mesh_shape):
   if mesh_shape == (1, 8, 1):  # FSDP: each device holds ~1/8 of params and momentum
     # Exactly: leaves with an `embed` dim split 8 ways; the few without one (biases over
     # heads / mlp / vocab, T5's relative-position table) stay whole.
-    expected = sum(math.prod(box.value.shape) * 4 // (8 if "embed" in box.names else 1)
-                   for _, box in names)
+    expected = sum(
+        math.prod(box.value.shape) * 4 // (8 if "embed" in box.names else 1) for _, box in names
+    )
     total = sum(x.nbytes for x in jax.tree.leaves(state1.params))
     for tree in (state1.params, state1.opt_state):
-      held = sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
-                 if s.device == mesh.devices.flat[0])
+      held = sum(
+          s.data.nbytes
+          for x in jax.tree.leaves(tree)
+          for s in x.addressable_shards
+          if s.device == mesh.devices.flat[0]
+      )
       assert held == expected, (family, held, expected)
       assert held <= 1.25 * total / 8, (family, held, total)
 
@@ -218,9 +264,12 @@ def test_checkpoint_restores_bitwise_onto_other_meshes_and_one_device(tmp_path):
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = mesh_shape
     mesh, rules = sharding.make_mesh(c.mesh, devices), sharding.logical_rules(c)
     shardings = sharding.state_shardings(abstract, boxed, mesh, rules)
-    jstep = jax.jit(sharding.with_rules(step, mesh, rules),
-                    in_shardings=(shardings, sharding.batch_sharding(mesh)),
-                    out_shardings=(shardings, sharding.replicated(mesh)), donate_argnums=0)
+    jstep = jax.jit(
+        sharding.with_rules(step, mesh, rules),
+        in_shardings=(shardings, sharding.batch_sharding(mesh)),
+        out_shardings=(shardings, sharding.replicated(mesh)),
+        donate_argnums=0,
+    )
     return shardings, jstep, jax.device_put(_batch(config), sharding.batch_sharding(mesh))
 
   shardings, jstep, batch = on((2, 2, 2))
@@ -235,10 +284,12 @@ def test_checkpoint_restores_bitwise_onto_other_meshes_and_one_device(tmp_path):
   for mesh_shape, devices in [((1, 2, 4), None), ((8, 1, 1), None), ((1, 1, 1), jax.devices()[:1])]:
     shardings, jstep, batch = on(mesh_shape, devices)
     restored, restored_step = ckpt.restore_latest(
-        checkpoint_lib.abstract_with_shardings(abstract, shardings))
+        checkpoint_lib.abstract_with_shardings(abstract, shardings)
+    )
     assert restored_step == 1
-    for got, want, target in zip(jax.tree.leaves(restored), jax.tree.leaves(saved),
-                                 jax.tree.leaves(shardings)):
+    for got, want, target in zip(
+        jax.tree.leaves(restored), jax.tree.leaves(saved), jax.tree.leaves(shardings)
+    ):
       assert got.sharding.is_equivalent_to(target, got.ndim), (mesh_shape, got.sharding, target)
       got = np.asarray(got)
       assert got.dtype == want.dtype and got.shape == want.shape
@@ -246,7 +297,10 @@ def test_checkpoint_restores_bitwise_onto_other_meshes_and_one_device(tmp_path):
     _, metrics = jstep(restored, batch)
     loss = float(metrics["loss_sum"] / metrics["weight_sum"])
     assert np.isfinite(loss) and abs(loss - next_loss) <= 1e-5 * abs(next_loss), (
-        mesh_shape, loss, next_loss)
+        mesh_shape,
+        loss,
+        next_loss,
+    )
   ckpt.close()
 
 
@@ -255,8 +309,11 @@ def test_write_equivalence_table():
   path = os.environ.get("TX_JAX_SHARDING_TABLE")
   if not path or not DELTAS:
     pytest.skip("set TX_JAX_SHARDING_TABLE=<file> to write the table")
-  lines = ["| family | mesh (data,fsdp,tensor) | rel. delta loss | rel. delta params | "
-           "rel. delta updates |", "| --- | --- | --- | --- | --- |"]
+  lines = [
+      "| family | mesh (data,fsdp,tensor) | rel. delta loss | rel. delta params | "
+      "rel. delta updates |",
+      "| --- | --- | --- | --- | --- |",
+  ]
   for (family, mesh_shape), (loss, params, updates) in sorted(DELTAS.items()):
     lines.append(f"| {family} | {mesh_shape} | {loss:.1e} | {params:.1e} | {updates:.1e} |")
   with open(path, "w") as f:

@@ -39,7 +39,9 @@ class TinyLM(nn.Module):
     v = self.param("value", part(init, ("embed", "kv_heads", "head_dim")), (EMBED, HEADS, HEAD_DIM))
     o = self.param("out", part(init, ("heads", "head_dim", "embed")), (HEADS, HEAD_DIM, EMBED))
     q_BTNH = jnp.einsum("btd,dnh->btnh", h, q)
-    q_BTNH = nn.with_logical_constraint(q_BTNH, ("act_batch", "act_len", "act_heads", "act_head_dim"))
+    q_BTNH = nn.with_logical_constraint(
+        q_BTNH, ("act_batch", "act_len", "act_heads", "act_head_dim")
+    )
     k_BSNH = jnp.einsum("btd,dnh->btnh", h, k)
     v_BSNH = jnp.einsum("btd,dnh->btnh", h, v)
     logits = jnp.einsum("btnh,bsnh->bnts", q_BTNH, k_BSNH) / math.sqrt(HEAD_DIM)
@@ -66,9 +68,16 @@ def _config(data=-1, fsdp=1, tensor=1, sequence=1, batch=BATCH, accum=1, **model
       dict(num_heads=HEADS, num_kv_heads=HEADS, mlp_dim=MLP, vocab_size=VOCAB, d_model=EMBED)
   )
   config.model.update(model)
-  config.data = ml_collections.ConfigDict(dict(
-      global_batch_size=batch, eval_global_batch_size=BATCH, task="lm", seq_len=LEN,
-      source_len=LEN, target_len=LEN))
+  config.data = ml_collections.ConfigDict(
+      dict(
+          global_batch_size=batch,
+          eval_global_batch_size=BATCH,
+          task="lm",
+          seq_len=LEN,
+          source_len=LEN,
+          target_len=LEN,
+      )
+  )
   config.train = ml_collections.ConfigDict(dict(grad_accum_steps=accum))
   return config
 
@@ -127,7 +136,10 @@ def test_logical_rules_normalise_json_lists_and_reject_unknown_axes():
   config = _config()
   config.sharding.rules = [["act_batch", ["data", "fsdp"]], ["vocab", "tensor"], ["embed", None]]
   assert sharding.logical_rules(config) == (
-      ("act_batch", ("data", "fsdp")), ("vocab", "tensor"), ("embed", None))
+      ("act_batch", ("data", "fsdp")),
+      ("vocab", "tensor"),
+      ("embed", None),
+  )
   config.sharding.rules = [("mlp", "model")]
   with pytest.raises(ValueError, match=r"rules\[0\].*unknown mesh axis 'model'"):
     sharding.logical_rules(config)
@@ -135,10 +147,29 @@ def test_logical_rules_normalise_json_lists_and_reject_unknown_axes():
 
 def test_default_rules_cover_every_logical_axis_name():
   names = {name for name, _ in sharding.logical_rules(_config())}
-  params = {"vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "layers", "relpos_buckets",
-            "type_vocab", "position"}
-  acts = {"act_batch", "act_len", "act_kv_len", "act_embed", "act_heads", "act_kv_heads",
-          "act_head_dim", "act_mlp", "act_vocab"}
+  params = {
+      "vocab",
+      "embed",
+      "mlp",
+      "heads",
+      "kv_heads",
+      "head_dim",
+      "layers",
+      "relpos_buckets",
+      "type_vocab",
+      "position",
+  }
+  acts = {
+      "act_batch",
+      "act_len",
+      "act_kv_len",
+      "act_embed",
+      "act_heads",
+      "act_kv_heads",
+      "act_head_dim",
+      "act_mlp",
+      "act_vocab",
+  }
   assert names == params | acts
 
 
@@ -207,8 +238,11 @@ def test_state_shardings_follow_params_for_adam_and_factored_adafactor(tiny):
   config = _config(2, 2, 2)
   mesh, rules = sharding.make_mesh(config.mesh), sharding.logical_rules(config)
   params = nn.meta.unbox(boxed)
-  state = {"params": params, "opt_state": jax.eval_shape(optax.adamw(1e-3).init, params),
-           "step": jax.ShapeDtypeStruct((), jnp.int32)}
+  state = {
+      "params": params,
+      "opt_state": jax.eval_shape(optax.adamw(1e-3).init, params),
+      "step": jax.ShapeDtypeStruct((), jnp.int32),
+  }
   sh = sharding.state_shardings(state, boxed, mesh, rules)
   mu = sh["opt_state"][0].mu
   for name, spec in EXPECTED_SPECS.items():
@@ -248,13 +282,23 @@ def test_batch_sharding_splits_rows_over_data_and_fsdp():
     "kwargs, pattern",
     [
         (dict(data=2, fsdp=2, tensor=4), r"multiply to 16 but there are 8 devices"),
-        (dict(data=1, tensor=8), r"config.model.num_heads=4 is not divisible by config.mesh.tensor=8 = 8"),
-        (dict(data=2, tensor=4, num_heads=8, num_kv_heads=2),
-         r"config.model.num_kv_heads=2 is not divisible by config.mesh.tensor=4"),
+        (
+            dict(data=1, tensor=8),
+            r"config.model.num_heads=4 is not divisible by config.mesh.tensor=8 = 8",
+        ),
+        (
+            dict(data=2, tensor=4, num_heads=8, num_kv_heads=2),
+            r"config.model.num_kv_heads=2 is not divisible by config.mesh.tensor=4",
+        ),
         (dict(data=4, tensor=2, mlp_dim=33), r"config.model.mlp_dim=33 .* config.mesh.tensor=2"),
-        (dict(data=4, tensor=2, vocab_size=31), r"config.model.vocab_size=31 .* config.mesh.tensor=2"),
-        (dict(data=2, fsdp=4, batch=12),
-         r"config.data.global_batch_size=12 .* config.mesh.data=2 x config.mesh.fsdp=4 = 8"),
+        (
+            dict(data=4, tensor=2, vocab_size=31),
+            r"config.model.vocab_size=31 .* config.mesh.tensor=2",
+        ),
+        (
+            dict(data=2, fsdp=4, batch=12),
+            r"config.data.global_batch_size=12 .* config.mesh.data=2 x config.mesh.fsdp=4 = 8",
+        ),
         (dict(data=8, batch=16, accum=4), r"grad_accum_steps=4 .* multiple of 32"),
         (dict(data=1, sequence=8), r"config.data.seq_len=4 .* config.mesh.sequence=8 = 8"),
     ],
@@ -268,15 +312,19 @@ def test_validate_accepts_the_test_meshes_and_rules_that_replicate_kv_heads():
   for shape in MESHES:
     sharding.validate(_config(*shape), num_devices=8)
   config = _config(data=2, tensor=4, num_heads=8, num_kv_heads=1)
-  config.sharding.rules = [r if r[0] != "kv_heads" else ("kv_heads", None)
-                           for r in config.sharding.rules]
+  config.sharding.rules = [
+      r if r[0] != "kv_heads" else ("kv_heads", None) for r in config.sharding.rules
+  ]
   sharding.validate(config, num_devices=8)
 
 
 def test_validate_multiprocess_needs_batch_axes_split_over_processes():
   with pytest.raises(ValueError, match=r"do not split over 2 processes"):
-    sharding.validate(_config(data=1, tensor=8, num_heads=8, vocab_size=64, mlp_dim=64,
-                              num_kv_heads=8), num_devices=8, num_processes=2)
+    sharding.validate(
+        _config(data=1, tensor=8, num_heads=8, vocab_size=64, mlp_dim=64, num_kv_heads=8),
+        num_devices=8,
+        num_processes=2,
+    )
 
 
 # ----------------------------------------------------------------------------- steps
@@ -333,8 +381,10 @@ def test_sharded_adam_step_equals_single_device_step(tiny, reference_step, shape
       donate_argnums=(0, 1),
   )
   lowered = step.lower(params, opt_state, tokens).as_text()
-  assert 'sharding_constraint' in lowered and '{"data", "fsdp"}' in lowered
-  loss, new_params, _ = step(params, opt_state, jax.device_put(tokens, sharding.batch_sharding(mesh)))
+  assert "sharding_constraint" in lowered and '{"data", "fsdp"}' in lowered
+  loss, new_params, _ = step(
+      params, opt_state, jax.device_put(tokens, sharding.batch_sharding(mesh))
+  )
   ref_loss, ref_params = reference_step
   np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
   for name, ref in ref_params.items():
@@ -363,5 +413,7 @@ def test_initialize_distributed_is_a_no_op_without_a_cluster(monkeypatch):
   for var in ("SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri", "KUBERNETES_SERVICE_HOST"):
     monkeypatch.delenv(var, raising=False)
   assert sharding.initialize_distributed() is False
-  with pytest.raises(ValueError, match=r"--process_id=2: expected 0 <= process_id < --num_processes=2"):
+  with pytest.raises(
+      ValueError, match=r"--process_id=2: expected 0 <= process_id < --num_processes=2"
+  ):
     sharding.initialize_distributed("127.0.0.1:1234", 2, 2)

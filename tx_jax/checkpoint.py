@@ -63,49 +63,65 @@ class Checkpointer:
 
   def __init__(self, directory: str | pathlib.Path, ckpt_cfg: ml_collections.ConfigDict):
     if ckpt_cfg.on_corrupt not in ON_CORRUPT:
-      raise ValueError(f"config.checkpoint.on_corrupt={ckpt_cfg.on_corrupt!r}: expected one "
-                       f"of {ON_CORRUPT}")
+      raise ValueError(
+          f"config.checkpoint.on_corrupt={ckpt_cfg.on_corrupt!r}: expected one " f"of {ON_CORRUPT}"
+      )
     if ckpt_cfg.keep < 1:
       raise ValueError(f"config.checkpoint.keep={ckpt_cfg.keep}: must be >= 1")
     if ckpt_cfg.best_mode not in ("min", "max"):
-      raise ValueError(f"config.checkpoint.best_mode={ckpt_cfg.best_mode!r}: expected 'min' "
-                       "or 'max'")
+      raise ValueError(
+          f"config.checkpoint.best_mode={ckpt_cfg.best_mode!r}: expected 'min' " "or 'max'"
+      )
     self.directory = pathlib.Path(directory).absolute()
     self.cfg = ckpt_cfg
     policies = [ocp.checkpoint_managers.LatestN(n=ckpt_cfg.keep)]
     if ckpt_cfg.best_metric:
       name = ckpt_cfg.best_metric
       # BestN sorts ascending and keeps the tail: descending order keeps the minimum.
-      policies.append(ocp.checkpoint_managers.BestN(
-          get_metric_fn=lambda m: m[name], reverse=ckpt_cfg.best_mode == "min", n=1,
-          keep_checkpoints_without_metrics=False))
+      policies.append(
+          ocp.checkpoint_managers.BestN(
+              get_metric_fn=lambda m: m[name],
+              reverse=ckpt_cfg.best_mode == "min",
+              n=1,
+              keep_checkpoints_without_metrics=False,
+          )
+      )
     options = ocp.CheckpointManagerOptions(
         preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
-        enable_async_checkpointing=ckpt_cfg.async_save, create=True)
-    self.manager = ocp.CheckpointManager(self.directory, options=options,
-                                         item_names=("state", "data", "meta"))
+        enable_async_checkpointing=ckpt_cfg.async_save,
+        create=True,
+    )
+    self.manager = ocp.CheckpointManager(
+        self.directory, options=options, item_names=("state", "data", "meta")
+    )
 
   def latest_step(self) -> int | None:
     """The newest saved step, or None."""
     return self.manager.latest_step()
 
-  def save(self, step: int, state: Any, data_iter: Any = None,
-           metrics: dict[str, float] | None = None) -> None:
+  def save(
+      self, step: int, state: Any, data_iter: Any = None, metrics: dict[str, float] | None = None
+  ) -> None:
     """Starts saving `state` (and the iterator state) at `step`; refuses non-finite states."""
     if step in self.manager.all_steps():
       return
     sums, finite = jax.device_get(fingerprint(state))
     if not finite:
-      raise CheckpointError(f"refusing to save step {step}: the state holds a NaN or Inf; "
-                            f"the last good checkpoint is step {self.latest_step()}")
-    items = {"state": ocp.args.StandardSave(state),
-             "meta": ocp.args.JsonSave({"step": int(step),
-                                        "fingerprints": [int(s) for s in sums]})}
+      raise CheckpointError(
+          f"refusing to save step {step}: the state holds a NaN or Inf; "
+          f"the last good checkpoint is step {self.latest_step()}"
+      )
+    items = {
+        "state": ocp.args.StandardSave(state),
+        "meta": ocp.args.JsonSave({"step": int(step), "fingerprints": [int(s) for s in sums]}),
+    }
     if data_iter is not None:
       items["data"] = grain.checkpoint.CheckpointSave(data_iter)
     if metrics is not None and self.cfg.best_metric and self.cfg.best_metric not in metrics:
-      raise CheckpointError(f"config.checkpoint.best_metric={self.cfg.best_metric!r} is not "
-                            f"among the eval metrics {sorted(metrics)}")
+      raise CheckpointError(
+          f"config.checkpoint.best_metric={self.cfg.best_metric!r} is not "
+          f"among the eval metrics {sorted(metrics)}"
+      )
     self.manager.save(step, args=ocp.args.Composite(**items), metrics=metrics, force=True)
 
   def _restore_step(self, step: int, abstract_state: Any, data_iter: Any) -> Any:
@@ -139,10 +155,16 @@ class Checkpointer:
           raise CheckpointError(
               f"checkpoint step {step} at {where} is damaged ({reason}); stopping because "
               "config.checkpoint.on_corrupt='stop'. Move that step away to resume from an "
-              "older one, or set --config.checkpoint.on_corrupt=fallback.") from None
-        logging.warning("checkpoint step %d at %s is damaged (%s); moving it to %s and "
-                        "falling back to the previous checkpoint", step, where, reason,
-                        self._quarantine(step))
+              "older one, or set --config.checkpoint.on_corrupt=fallback."
+          ) from None
+        logging.warning(
+            "checkpoint step %d at %s is damaged (%s); moving it to %s and "
+            "falling back to the previous checkpoint",
+            step,
+            where,
+            reason,
+            self._quarantine(step),
+        )
     if steps:
       raise CheckpointError(f"every checkpoint in {self.directory} (steps {steps}) is damaged")
     return None
@@ -170,8 +192,9 @@ class Checkpointer:
 
 def abstract_with_shardings(state: Any, shardings: Any) -> Any:
   """jax.ShapeDtypeStruct leaves carrying the shardings to restore onto."""
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                      state, shardings)
+  return jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
+  )
 
 
 def np_tree(tree: Any) -> Any:

@@ -37,304 +37,352 @@ from tx_jax.interop.t5 import T5
 from tx_jax.models.config import ModelConfig
 
 ARCHITECTURES: dict[str, Architecture] = {
-    a.name: a for a in (BERT_MODEL, BERT_MLM, BERT_CLASSIFIER, GPT2, T5, LLAMA)}
+    a.name: a for a in (BERT_MODEL, BERT_MLM, BERT_CLASSIFIER, GPT2, T5, LLAMA)
+}
 # config.model fields that choose how the model runs, not what it computes.
 RUNTIME_FIELDS = ("dtype", "param_dtype", "attention_backend", "scan_layers", "remat_policy")
-_TASKS = {("decoder", "none"): "lm", ("encoder", "mlm"): "mlm",
-          ("encoder", "classification"): "classification", ("encdec", "none"): "seq2seq"}
-_LEGACY_NAMES = ((re.compile(r"LayerNorm\.gamma$"), "LayerNorm.weight"),
-                 (re.compile(r"LayerNorm\.beta$"), "LayerNorm.bias"))
+_TASKS = {
+    ("decoder", "none"): "lm",
+    ("encoder", "mlm"): "mlm",
+    ("encoder", "classification"): "classification",
+    ("encdec", "none"): "seq2seq",
+}
+_LEGACY_NAMES = (
+    (re.compile(r"LayerNorm\.gamma$"), "LayerNorm.weight"),
+    (re.compile(r"LayerNorm\.beta$"), "LayerNorm.bias"),
+)
 _HEAD_PREFIXES = ("lm_head.", "cls.", "classifier.")  # keys outside the trunk
 _STACKED = re.compile(r"^(stack|encoder|decoder)/layer_(\d+)/(.*)$")
 
-__all__ = ["ARCHITECTURES", "ConversionError", "from_pretrained", "model_fields",
-           "to_pretrained"]
+__all__ = ["ARCHITECTURES", "ConversionError", "from_pretrained", "model_fields", "to_pretrained"]
 
 
 def _architecture(values: Mapping[str, Any], where: str) -> Architecture:
-    names = values.get("architectures") or []
-    known = [n for n in names if n in ARCHITECTURES]
-    if not known:
-        raise ConversionError(f"{where}: architectures={names} is not supported; supported: "
-                              f"{sorted(ARCHITECTURES)}")
-    return ARCHITECTURES[known[0]]
+  names = values.get("architectures") or []
+  known = [n for n in names if n in ARCHITECTURES]
+  if not known:
+    raise ConversionError(
+        f"{where}: architectures={names} is not supported; supported: " f"{sorted(ARCHITECTURES)}"
+    )
+  return ARCHITECTURES[known[0]]
 
 
-def model_fields(hf_config: Mapping[str, Any],
-                 weights: Mapping[str, np.ndarray] | None = None) -> dict[str, Any]:
-    """The config.model fields of a config.json dict.
+def model_fields(
+    hf_config: Mapping[str, Any], weights: Mapping[str, np.ndarray] | None = None
+) -> dict[str, Any]:
+  """The config.model fields of a config.json dict.
 
-    Weights settle what only they tell (an untied head, a pooler); without them the
-    config's flags decide.
-    """
-    arch = _architecture(hf_config, "config.json")
-    return arch.read_config(HFConfig(dict(hf_config), arch.name), weights)
+  Weights settle what only they tell (an untied head, a pooler); without them the
+  config's flags decide.
+  """
+  arch = _architecture(hf_config, "config.json")
+  return arch.read_config(HFConfig(dict(hf_config), arch.name), weights)
 
 
 def _base_config() -> ml_collections.ConfigDict:
-    """configs.common.base_config(): the typed schema every config fills."""
-    from configs import common  # pylint: disable=import-outside-toplevel
-    return common.base_config()
+  """configs.common.base_config(): the typed schema every config fills."""
+  from configs import common  # pylint: disable=import-outside-toplevel
+
+  return common.base_config()
 
 
 def _fill(section: ml_collections.ConfigDict, values: Mapping[str, Any]) -> None:
-    """Sets fields, casting to each field's declared type (JSON has no int/float split)."""
-    for key, value in values.items():
-        current = section[key]
-        section[key] = type(current)(value) if isinstance(current, (bool, int, float)) else value
+  """Sets fields, casting to each field's declared type (JSON has no int/float split)."""
+  for key, value in values.items():
+    current = section[key]
+    section[key] = type(current)(value) if isinstance(current, (bool, int, float)) else value
 
 
 def _abstract_params(module: nn.Module, family: str) -> dict[str, jax.ShapeDtypeStruct]:
-    ids = jnp.zeros((1, 1), jnp.int32)
-    args = (ids, ids) if family == "encdec" else (ids,)
-    init = functools.partial(module.init, train=False)
-    variables = jax.eval_shape(init, jax.random.PRNGKey(0), *args)
-    return traverse_util.flatten_dict(nn.unbox(variables["params"]), sep="/")
+  ids = jnp.zeros((1, 1), jnp.int32)
+  args = (ids, ids) if family == "encdec" else (ids,)
+  init = functools.partial(module.init, train=False)
+  variables = jax.eval_shape(init, jax.random.PRNGKey(0), *args)
+  return traverse_util.flatten_dict(nn.unbox(variables["params"]), sep="/")
 
 
 def _stack_layers(flat: dict[str, Any]) -> dict[str, Any]:
-    """Unrolled `stack/layer_{i}/...` -> scanned `stack/layers/layer/...` [L, ...]."""
-    out, groups = {}, {}
-    for path, value in flat.items():
-        match = _STACKED.match(path)
-        if match is None:
-            out[path] = value
-            continue
-        stack, index, rest = match.groups()
-        groups.setdefault(f"{stack}/layers/layer/{rest}", {})[int(index)] = value
-    for path, by_index in groups.items():
-        out[path] = np.stack([by_index[i] for i in range(len(by_index))])
-    return out
+  """Unrolled `stack/layer_{i}/...` -> scanned `stack/layers/layer/...` [L, ...]."""
+  out, groups = {}, {}
+  for path, value in flat.items():
+    match = _STACKED.match(path)
+    if match is None:
+      out[path] = value
+      continue
+    stack, index, rest = match.groups()
+    groups.setdefault(f"{stack}/layers/layer/{rest}", {})[int(index)] = value
+  for path, by_index in groups.items():
+    out[path] = np.stack([by_index[i] for i in range(len(by_index))])
+  return out
 
 
 def _unstack_layers(flat: dict[str, Any]) -> dict[str, Any]:
-    """Scanned `stack/layers/layer/...` [L, ...] -> unrolled `stack/layer_{i}/...`."""
-    out = {}
-    for path, value in flat.items():
-        match = re.match(r"^(stack|encoder|decoder)/layers/layer/(.*)$", path)
-        if match is None:
-            out[path] = value
-            continue
-        for i in range(value.shape[0]):
-            out[f"{match.group(1)}/layer_{i}/{match.group(2)}"] = value[i]
-    return out
+  """Scanned `stack/layers/layer/...` [L, ...] -> unrolled `stack/layer_{i}/...`."""
+  out = {}
+  for path, value in flat.items():
+    match = re.match(r"^(stack|encoder|decoder)/layers/layer/(.*)$", path)
+    if match is None:
+      out[path] = value
+      continue
+    for i in range(value.shape[0]):
+      out[f"{match.group(1)}/layer_{i}/{match.group(2)}"] = value[i]
+  return out
 
 
-def _load_params(arch: Architecture, mc: ModelConfig, weights: dict[str, np.ndarray],
-                 module: nn.Module, where: str) -> dict[str, Any]:
-    flat, missing, consumed = {}, [], set()
-    for rule in arch.rules(mc):
-        absent = [k for k in rule.hf if k not in weights]
-        if absent:
-            missing += absent
-            continue
-        consumed.update(rule.hf)
-        flat.update(zip(rule.ours, rule.load([weights[k] for k in rule.hf])))
-    if missing:
-        raise ConversionError(f"{where}: the weights lack {len(missing)} tensors that "
-                              f"{arch.name} needs, e.g. {missing[:8]}")
-    copies, unexpected = arch.tied_copies(mc), []
-    for key in sorted(set(weights) - consumed):
-        if key in copies:
-            if not equal(weights, key, copies[key]):
-                raise ConversionError(f"{where}: {key} should be a tied copy of {copies[key]} "
-                                      "but differs from it; tx_jax cannot untie it")
-        elif not any(re.search(p, key) for p in arch.ignored):
-            unexpected.append(key)
-    if unexpected:
-        raise ConversionError(f"{where}: {len(unexpected)} tensors have no place in a "
-                              f"{arch.name} as tx_jax builds it, e.g. {unexpected[:8]}")
-    if mc.scan_layers:
-        flat = _stack_layers(flat)
-    expected = _abstract_params(module, mc.family)
-    wrong = sorted(set(expected) ^ set(flat))
-    if wrong:  # a mapping bug, not a user error
-        raise ConversionError(f"{where}: converted parameters do not match the model: {wrong[:8]}")
-    for path, spec in expected.items():
-        if flat[path].shape != spec.shape:
-            raise ConversionError(f"{where}: parameter {path} has shape {flat[path].shape} from "
-                                  f"the weights, the config implies {spec.shape}")
-    params = {path: jnp.asarray(np.asarray(value, dtype=spec.dtype))
-              for (path, value), spec in ((item, expected[item[0]]) for item in flat.items())}
-    return traverse_util.unflatten_dict(params, sep="/")
+def _load_params(
+    arch: Architecture,
+    mc: ModelConfig,
+    weights: dict[str, np.ndarray],
+    module: nn.Module,
+    where: str,
+) -> dict[str, Any]:
+  flat, missing, consumed = {}, [], set()
+  for rule in arch.rules(mc):
+    absent = [k for k in rule.hf if k not in weights]
+    if absent:
+      missing += absent
+      continue
+    consumed.update(rule.hf)
+    flat.update(zip(rule.ours, rule.load([weights[k] for k in rule.hf])))
+  if missing:
+    raise ConversionError(
+        f"{where}: the weights lack {len(missing)} tensors that "
+        f"{arch.name} needs, e.g. {missing[:8]}"
+    )
+  copies, unexpected = arch.tied_copies(mc), []
+  for key in sorted(set(weights) - consumed):
+    if key in copies:
+      if not equal(weights, key, copies[key]):
+        raise ConversionError(
+            f"{where}: {key} should be a tied copy of {copies[key]} "
+            "but differs from it; tx_jax cannot untie it"
+        )
+    elif not any(re.search(p, key) for p in arch.ignored):
+      unexpected.append(key)
+  if unexpected:
+    raise ConversionError(
+        f"{where}: {len(unexpected)} tensors have no place in a "
+        f"{arch.name} as tx_jax builds it, e.g. {unexpected[:8]}"
+    )
+  if mc.scan_layers:
+    flat = _stack_layers(flat)
+  expected = _abstract_params(module, mc.family)
+  wrong = sorted(set(expected) ^ set(flat))
+  if wrong:  # a mapping bug, not a user error
+    raise ConversionError(f"{where}: converted parameters do not match the model: {wrong[:8]}")
+  for path, spec in expected.items():
+    if flat[path].shape != spec.shape:
+      raise ConversionError(
+          f"{where}: parameter {path} has shape {flat[path].shape} from "
+          f"the weights, the config implies {spec.shape}"
+      )
+  params = {
+      path: jnp.asarray(np.asarray(value, dtype=spec.dtype))
+      for (path, value), spec in ((item, expected[item[0]]) for item in flat.items())
+  }
+  return traverse_util.unflatten_dict(params, sep="/")
 
 
-def from_pretrained(path: str | pathlib.Path, **runtime: Any
-                    ) -> tuple[ml_collections.ConfigDict, nn.Module, dict[str, Any]]:
-    """(config, flax module, params) of a HuggingFace model directory.
+def from_pretrained(
+    path: str | pathlib.Path, **runtime: Any
+) -> tuple[ml_collections.ConfigDict, nn.Module, dict[str, Any]]:
+  """(config, flax module, params) of a HuggingFace model directory.
 
-    `config` is `configs.common.base_config()` with the model section filled (and the data
-    task set to the family's). `runtime` overrides RUNTIME_FIELDS of config.model, e.g.
-    dtype="bfloat16" or scan_layers=True; parameters are stored in config.model.param_dtype.
-    """
-    path = pathlib.Path(path)
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ConversionError(f"{path} is not a HuggingFace model directory: no config.json")
-    values = json.loads(config_file.read_text())
-    arch = _architecture(values, str(config_file))
-    weights = {}
-    raw = read_weights(path)
-    # Checkpoints saved from the bare trunk (the official "gpt2") lack its prefix.
-    add_prefix = arch.base_prefix and not any(k.startswith(arch.base_prefix) for k in raw)
-    for key, tensor in raw.items():
-        for pattern, replacement in _LEGACY_NAMES:
-            key = pattern.sub(replacement, key)
-        if add_prefix and not key.startswith(_HEAD_PREFIXES):
-            key = arch.base_prefix + key
-        weights[key] = tensor
-    fields = arch.read_config(HFConfig(values, arch.name), weights)
-    bad = sorted(set(runtime) - set(RUNTIME_FIELDS))
-    if bad:
-        raise ValueError(f"from_pretrained overrides {bad} would change the model; only "
-                         f"{list(RUNTIME_FIELDS)} may be set")
-    config = _base_config()
-    _fill(config.model, {**fields, **runtime})
-    mc = ModelConfig.from_config(config.model)
-    task = _TASKS.get((mc.family, mc.head))
-    if task is not None:
-        config.data.task = task
-    if mc.family == "encdec" and (path / "spiece.model").is_file():
-        config.data.tokenizer = "sentencepiece"  # T5's vocabulary: pad 0, eos 1, unk 2
-        config.data.spm_model_path = str((path / "spiece.model").absolute())
-    module = models.build(mc)
-    return config, module, _load_params(arch, mc, weights, module, str(path))
+  `config` is `configs.common.base_config()` with the model section filled (and the data
+  task set to the family's). `runtime` overrides RUNTIME_FIELDS of config.model, e.g.
+  dtype="bfloat16" or scan_layers=True; parameters are stored in config.model.param_dtype.
+  """
+  path = pathlib.Path(path)
+  config_file = path / "config.json"
+  if not config_file.is_file():
+    raise ConversionError(f"{path} is not a HuggingFace model directory: no config.json")
+  values = json.loads(config_file.read_text())
+  arch = _architecture(values, str(config_file))
+  weights = {}
+  raw = read_weights(path)
+  # Checkpoints saved from the bare trunk (the official "gpt2") lack its prefix.
+  add_prefix = arch.base_prefix and not any(k.startswith(arch.base_prefix) for k in raw)
+  for key, tensor in raw.items():
+    for pattern, replacement in _LEGACY_NAMES:
+      key = pattern.sub(replacement, key)
+    if add_prefix and not key.startswith(_HEAD_PREFIXES):
+      key = arch.base_prefix + key
+    weights[key] = tensor
+  fields = arch.read_config(HFConfig(values, arch.name), weights)
+  bad = sorted(set(runtime) - set(RUNTIME_FIELDS))
+  if bad:
+    raise ValueError(
+        f"from_pretrained overrides {bad} would change the model; only "
+        f"{list(RUNTIME_FIELDS)} may be set"
+    )
+  config = _base_config()
+  _fill(config.model, {**fields, **runtime})
+  mc = ModelConfig.from_config(config.model)
+  task = _TASKS.get((mc.family, mc.head))
+  if task is not None:
+    config.data.task = task
+  if mc.family == "encdec" and (path / "spiece.model").is_file():
+    config.data.tokenizer = "sentencepiece"  # T5's vocabulary: pad 0, eos 1, unk 2
+    config.data.spm_model_path = str((path / "spiece.model").absolute())
+  module = models.build(mc)
+  return config, module, _load_params(arch, mc, weights, module, str(path))
 
 
 def _architecture_for(mc: ModelConfig) -> Architecture:
-    """The HF class that expresses a tx_jax model, by family and position scheme / head."""
-    if mc.family == "decoder" and mc.positions in ("learned", "rope"):
-        return GPT2 if mc.positions == "learned" else LLAMA
-    if mc.family == "encoder":
-        return {"none": BERT_MODEL, "mlm": BERT_MLM, "classification": BERT_CLASSIFIER}[mc.head]
-    if mc.family == "encdec" and mc.positions == "relative":
-        return T5
-    raise ConversionError(
-        f"config.model.family={mc.family!r} with positions={mc.positions!r} has no HuggingFace "
-        "architecture here; accepted: decoder+learned (GPT-2), decoder+rope (LLaMA), "
-        "encoder (BERT), encdec+relative (T5)")
+  """The HF class that expresses a tx_jax model, by family and position scheme / head."""
+  if mc.family == "decoder" and mc.positions in ("learned", "rope"):
+    return GPT2 if mc.positions == "learned" else LLAMA
+  if mc.family == "encoder":
+    return {"none": BERT_MODEL, "mlm": BERT_MLM, "classification": BERT_CLASSIFIER}[mc.head]
+  if mc.family == "encdec" and mc.positions == "relative":
+    return T5
+  raise ConversionError(
+      f"config.model.family={mc.family!r} with positions={mc.positions!r} has no HuggingFace "
+      "architecture here; accepted: decoder+learned (GPT-2), decoder+rope (LLaMA), "
+      "encoder (BERT), encdec+relative (T5)"
+  )
 
 
 def _relevant(fields: Mapping[str, Any]) -> dict[str, Any]:
-    """Drops fields the family's model never reads given the others (e.g. rope_theta w/o RoPE)."""
-    drop = {"init", "init_std"}
-    if fields["norm"] == "rmsnorm":
-        drop.add("norm_bias")
-    if fields["positions"] != "rope":
-        drop.add("rope_theta")
-    if fields["positions"] != "relative":
-        drop.update(("relative_buckets", "relative_max_distance"))
-    if fields["positions"] != "learned":
-        drop.add("max_len")
-    if not fields["tie_embeddings"]:
-        drop.add("tied_output_rescale")
-    if fields.get("head") != "classification":
-        drop.add("num_classes")
-    return {k: v for k, v in fields.items() if k not in drop}
+  """Drops fields the family's model never reads given the others (e.g. rope_theta w/o RoPE)."""
+  drop = {"init", "init_std"}
+  if fields["norm"] == "rmsnorm":
+    drop.add("norm_bias")
+  if fields["positions"] != "rope":
+    drop.add("rope_theta")
+  if fields["positions"] != "relative":
+    drop.update(("relative_buckets", "relative_max_distance"))
+  if fields["positions"] != "learned":
+    drop.add("max_len")
+  if not fields["tie_embeddings"]:
+    drop.add("tied_output_rescale")
+  if fields.get("head") != "classification":
+    drop.add("num_classes")
+  return {k: v for k, v in fields.items() if k not in drop}
 
 
-def to_pretrained(config: ml_collections.ConfigDict | ModelConfig, params: Mapping[str, Any],
-                  path: str | pathlib.Path, *, max_shard_bytes: int = 5 * 2**30,
-                  hf_config: Mapping[str, Any] | None = None) -> Architecture:
-    """Writes `params` as a HuggingFace directory (config.json + safetensors) at `path`.
+def to_pretrained(
+    config: ml_collections.ConfigDict | ModelConfig,
+    params: Mapping[str, Any],
+    path: str | pathlib.Path,
+    *,
+    max_shard_bytes: int = 5 * 2**30,
+    hf_config: Mapping[str, Any] | None = None,
+) -> Architecture:
+  """Writes `params` as a HuggingFace directory (config.json + safetensors) at `path`.
 
-    `config` is a full config (with .model) or the model section. `hf_config` adds values
-    to config.json (token ids, label names); a value that would change the model is an
-    error, as is any config.model field the HF architecture cannot express.
-    Returns the architecture written.
-    """
-    if isinstance(config, ModelConfig):
-        mc = config
-    else:
-        mc = ModelConfig.from_config(config.model if "model" in config else config)
-    arch = _architecture_for(mc)
-    flat = traverse_util.flatten_dict(unfreeze(nn.unbox(jax.device_get(params))), sep="/")
-    if mc.scan_layers:
-        flat = _unstack_layers(flat)
-    rules = arch.rules(mc)
-    values = {**arch.write_config(mc), **dict(hf_config or {}),
-              "architectures": [arch.name], "model_type": arch.model_type}
-    # Check before touching tensors: does the written config load back as this model?
-    # Distinct placeholders stand in for the tensors (what is present, nothing tied).
-    names = {k: np.full(1, i) for i, k in enumerate(k for r in rules for k in r.hf)}
-    back = _relevant(arch.read_config(HFConfig(values, arch.name), names))
-    differ = {k: (getattr(mc, k), v) for k, v in back.items() if getattr(mc, k) != v}
-    if differ:
-        raise ConversionError(
-            f"{arch.name} cannot express this model: " + "; ".join(
-                f"config.model.{k}={ours!r} would load back as {theirs!r}"
-                for k, (ours, theirs) in sorted(differ.items())))
-    tensors, used, missing = {}, set(), []
-    for rule in rules:
-        absent = [p for p in rule.ours if p not in flat]
-        if absent:
-            missing += absent
-            continue
-        used.update(rule.ours)
-        tensors.update(zip(rule.hf, rule.save([np.asarray(flat[p]) for p in rule.ours])))
-    if missing:
-        raise ConversionError(f"params lack {missing[:8]} that {arch.name} needs")
-    unused = sorted(set(flat) - used)
-    if unused:
-        raise ConversionError(f"params {unused[:8]} have no place in {arch.name}")
-    dtypes = {str(t.dtype) for t in tensors.values()}
-    values["dtype"] = dtypes.pop() if len(dtypes) == 1 else "float32"
-    path = pathlib.Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    write_weights(path, tensors, max_shard_bytes)
-    (path / "config.json").write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
-    return arch
+  `config` is a full config (with .model) or the model section. `hf_config` adds values
+  to config.json (token ids, label names); a value that would change the model is an
+  error, as is any config.model field the HF architecture cannot express.
+  Returns the architecture written.
+  """
+  if isinstance(config, ModelConfig):
+    mc = config
+  else:
+    mc = ModelConfig.from_config(config.model if "model" in config else config)
+  arch = _architecture_for(mc)
+  flat = traverse_util.flatten_dict(unfreeze(nn.unbox(jax.device_get(params))), sep="/")
+  if mc.scan_layers:
+    flat = _unstack_layers(flat)
+  rules = arch.rules(mc)
+  values = {
+      **arch.write_config(mc),
+      **dict(hf_config or {}),
+      "architectures": [arch.name],
+      "model_type": arch.model_type,
+  }
+  # Check before touching tensors: does the written config load back as this model?
+  # Distinct placeholders stand in for the tensors (what is present, nothing tied).
+  names = {k: np.full(1, i) for i, k in enumerate(k for r in rules for k in r.hf)}
+  back = _relevant(arch.read_config(HFConfig(values, arch.name), names))
+  differ = {k: (getattr(mc, k), v) for k, v in back.items() if getattr(mc, k) != v}
+  if differ:
+    raise ConversionError(
+        f"{arch.name} cannot express this model: "
+        + "; ".join(
+            f"config.model.{k}={ours!r} would load back as {theirs!r}"
+            for k, (ours, theirs) in sorted(differ.items())
+        )
+    )
+  tensors, used, missing = {}, set(), []
+  for rule in rules:
+    absent = [p for p in rule.ours if p not in flat]
+    if absent:
+      missing += absent
+      continue
+    used.update(rule.ours)
+    tensors.update(zip(rule.hf, rule.save([np.asarray(flat[p]) for p in rule.ours])))
+  if missing:
+    raise ConversionError(f"params lack {missing[:8]} that {arch.name} needs")
+  unused = sorted(set(flat) - used)
+  if unused:
+    raise ConversionError(f"params {unused[:8]} have no place in {arch.name}")
+  dtypes = {str(t.dtype) for t in tensors.values()}
+  values["dtype"] = dtypes.pop() if len(dtypes) == 1 else "float32"
+  path = pathlib.Path(path)
+  path.mkdir(parents=True, exist_ok=True)
+  write_weights(path, tensors, max_shard_bytes)
+  (path / "config.json").write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
+  return arch
 
 
 # --- the trainer's workdir layout: config.json + Orbax checkpoints under checkpoints/ ----
 
-def save_to_workdir(config: ml_collections.ConfigDict, params: Any,
-                    workdir: str | pathlib.Path, data_iter: Any = None) -> pathlib.Path:
-    """Writes config.json and a step-0 TrainState checkpoint, as experiments.train would.
 
-    The optimizer state is freshly initialised from config.optimizer. `data_iter` (a fresh
-    `tx_jax.data.build_train_iterator(config)`) is saved with it, because the trainer
-    resumes the data iterator together with the state. Refuses a workdir that already
-    holds checkpoints. Returns the checkpoint directory.
-    """
-    from tx_jax import checkpoint  # pylint: disable=import-outside-toplevel
-    from tx_jax.train import optimizers, state  # pylint: disable=import-outside-toplevel
-    workdir = pathlib.Path(workdir)
-    manager = checkpoint.Checkpointer(workdir / "checkpoints", config.checkpoint)
-    try:
-        if manager.latest_step() is not None:
-            raise ConversionError(f"{workdir} already holds checkpoints (latest step "
-                                  f"{manager.latest_step()}); choose an empty --workdir")
-        (workdir / "config.json").write_text(config.to_json_best_effort(indent=2) + "\n")
-        tx, _ = optimizers.build_optimizer(config)
-        manager.save(0, state.make_init_fn(lambda _: params, tx, config.seed)(), data_iter)
-    finally:
-        manager.close()
-    return manager.directory
+def save_to_workdir(
+    config: ml_collections.ConfigDict,
+    params: Any,
+    workdir: str | pathlib.Path,
+    data_iter: Any = None,
+) -> pathlib.Path:
+  """Writes config.json and a step-0 TrainState checkpoint, as experiments.train would.
+
+  The optimizer state is freshly initialised from config.optimizer. `data_iter` (a fresh
+  `tx_jax.data.build_train_iterator(config)`) is saved with it, because the trainer
+  resumes the data iterator together with the state. Refuses a workdir that already
+  holds checkpoints. Returns the checkpoint directory.
+  """
+  from tx_jax import checkpoint  # pylint: disable=import-outside-toplevel
+  from tx_jax.train import optimizers, state  # pylint: disable=import-outside-toplevel
+
+  workdir = pathlib.Path(workdir)
+  manager = checkpoint.Checkpointer(workdir / "checkpoints", config.checkpoint)
+  try:
+    if manager.latest_step() is not None:
+      raise ConversionError(
+          f"{workdir} already holds checkpoints (latest step "
+          f"{manager.latest_step()}); choose an empty --workdir"
+      )
+    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2) + "\n")
+    tx, _ = optimizers.build_optimizer(config)
+    manager.save(0, state.make_init_fn(lambda _: params, tx, config.seed)(), data_iter)
+  finally:
+    manager.close()
+  return manager.directory
 
 
 def load_from_workdir(workdir: str | pathlib.Path) -> tuple[ml_collections.ConfigDict, Any, int]:
-    """(config, params, step) of the newest checkpoint in a trainer workdir."""
-    from tx_jax import checkpoint  # pylint: disable=import-outside-toplevel
-    from tx_jax.train import optimizers, state  # pylint: disable=import-outside-toplevel
-    workdir = pathlib.Path(workdir)
-    if not (workdir / "config.json").is_file():
-        raise ConversionError(f"{workdir} has no config.json: not a tx_jax workdir")
-    config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
-    module = models.build(config.model)
-    shapes = _abstract_params(module, config.model.family)
-    abstract_params = traverse_util.unflatten_dict(shapes, sep="/")
-    tx, _ = optimizers.build_optimizer(config)
-    abstract = jax.eval_shape(state.make_init_fn(lambda _: abstract_params, tx, config.seed))
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = checkpoint.abstract_with_shardings(
-        abstract, jax.tree.map(lambda _: device, abstract))
-    manager = checkpoint.Checkpointer(workdir / "checkpoints", config.checkpoint)
-    try:
-        restored = manager.restore_latest(abstract)
-    finally:
-        manager.close()
-    if restored is None:
-        raise ConversionError(f"{workdir / 'checkpoints'} holds no checkpoint")
-    train_state, step = restored
-    return config, train_state.params, step
+  """(config, params, step) of the newest checkpoint in a trainer workdir."""
+  from tx_jax import checkpoint  # pylint: disable=import-outside-toplevel
+  from tx_jax.train import optimizers, state  # pylint: disable=import-outside-toplevel
+
+  workdir = pathlib.Path(workdir)
+  if not (workdir / "config.json").is_file():
+    raise ConversionError(f"{workdir} has no config.json: not a tx_jax workdir")
+  config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
+  module = models.build(config.model)
+  shapes = _abstract_params(module, config.model.family)
+  abstract_params = traverse_util.unflatten_dict(shapes, sep="/")
+  tx, _ = optimizers.build_optimizer(config)
+  abstract = jax.eval_shape(state.make_init_fn(lambda _: abstract_params, tx, config.seed))
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  abstract = checkpoint.abstract_with_shardings(abstract, jax.tree.map(lambda _: device, abstract))
+  manager = checkpoint.Checkpointer(workdir / "checkpoints", config.checkpoint)
+  try:
+    restored = manager.restore_latest(abstract)
+  finally:
+    manager.close()
+  if restored is None:
+    raise ConversionError(f"{workdir / 'checkpoints'} holds no checkpoint")
+  train_state, step = restored
+  return config, train_state.params, step

@@ -208,17 +208,20 @@ def _key_str(entry: Any) -> str | None:
 
 
 def _path_str(path: Sequence[Any]) -> str:
-  return "/".join(
-      str(getattr(e, "key", getattr(e, "name", getattr(e, "idx", e)))) for e in path
-  )
+  return "/".join(str(getattr(e, "key", getattr(e, "name", getattr(e, "idx", e)))) for e in path)
 
 
 def _mesh_spec(names: Sequence[str | None], rules: Rules) -> PartitionSpec:
   return nn.logical_to_mesh_axes(tuple(names), rules)
 
 
-def _check_divisible(what: str, shape: Sequence[int], spec: PartitionSpec, mesh: Mesh,
-                     names: Sequence[str | None] | None = None) -> None:
+def _check_divisible(
+    what: str,
+    shape: Sequence[int],
+    spec: PartitionSpec,
+    mesh: Mesh,
+    names: Sequence[str | None] | None = None,
+) -> None:
   for dim, (size, axes) in enumerate(zip(shape, tuple(spec) + (None,) * len(shape))):
     if axes is None:
       continue
@@ -243,8 +246,11 @@ def param_shardings(abstract_params: Any, mesh: Mesh, rules: Rules) -> Any:
     if not _is_box(leaf):
       return NamedSharding(mesh, PartitionSpec())
     names = tuple(leaf.names)
-    spec = _mesh_spec(names, rules) if isinstance(leaf, nn.LogicallyPartitioned) else (
-        leaf.get_partition_spec())
+    spec = (
+        _mesh_spec(names, rules)
+        if isinstance(leaf, nn.LogicallyPartitioned)
+        else (leaf.get_partition_spec())
+    )
     _check_divisible(f"param {_path_str(path)}", leaf.value.shape, spec, mesh, names)
     return NamedSharding(mesh, spec)
 
@@ -293,8 +299,8 @@ def state_shardings(abstract_state: Any, abstract_params: Any, mesh: Mesh, rules
       return NamedSharding(mesh, PartitionSpec(*spec))
     if len(leaf_shape) == len(shape) - 1:
       for dropped in reversed(range(len(shape))):
-        if shape[:dropped] + shape[dropped + 1:] == leaf_shape:
-          return NamedSharding(mesh, PartitionSpec(*(spec[:dropped] + spec[dropped + 1:])))
+        if shape[:dropped] + shape[dropped + 1 :] == leaf_shape:
+          return NamedSharding(mesh, PartitionSpec(*(spec[:dropped] + spec[dropped + 1 :])))
     return replicated_
 
   return jax.tree_util.tree_map_with_path(one, nn.meta.unbox(abstract_state))
@@ -304,8 +310,8 @@ def _longest_contained(keys: tuple[str, ...], table: dict) -> tuple[str, ...] | 
   """The longest contiguous run of `keys` that is a key of `table`."""
   for length in range(len(keys), 0, -1):
     for start in range(len(keys) - length + 1):
-      if keys[start:start + length] in table:
-        return keys[start:start + length]
+      if keys[start : start + length] in table:
+        return keys[start : start + length]
   return None
 
 
@@ -356,7 +362,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
 
   def shards(axes: Sequence[str]) -> tuple[int, str]:
     axes = [a for a in axes if a in sizes]
-    return math.prod(sizes[a] for a in axes), " x ".join(f"config.mesh.{a}={sizes[a]}" for a in axes)
+    return math.prod(sizes[a] for a in axes), " x ".join(
+        f"config.mesh.{a}={sizes[a]}" for a in axes
+    )
 
   for field, logical in _MODEL_DIMS:
     if field not in config.model or not isinstance(config.model[field], int):
@@ -404,8 +412,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
 # ----------------------------------------------------------------------------- dry run
 
 
-def describe_shardings(abstract_params: Any, mesh: Mesh, rules: Rules,
-                       abstract_opt_state: Any = None) -> str:
+def describe_shardings(
+    abstract_params: Any, mesh: Mesh, rules: Rules, abstract_opt_state: Any = None
+) -> str:
   """A table of every parameter's PartitionSpec and the per-device param / optimizer bytes."""
   p_shardings = param_shardings(abstract_params, mesh, rules)
   boxed = jax.tree_util.tree_flatten_with_path(abstract_params, is_leaf=_is_box)[0]
@@ -414,10 +423,15 @@ def describe_shardings(abstract_params: Any, mesh: Mesh, rules: Rules,
   for (path, leaf), sh in zip(boxed, flat_sh):
     value = leaf.value if _is_box(leaf) else leaf
     names = tuple(leaf.names) if _is_box(leaf) else ()
-    rows.append((
-        _path_str(path), str(tuple(value.shape)), "(" + ", ".join(map(str, names)) + ")",
-        str(sh.spec), str(sh.shard_shape(tuple(value.shape))),
-    ))
+    rows.append(
+        (
+            _path_str(path),
+            str(tuple(value.shape)),
+            "(" + ", ".join(map(str, names)) + ")",
+            str(sh.spec),
+            str(sh.shard_shape(tuple(value.shape))),
+        )
+    )
   widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
   lines = [f"mesh: {_fmt(dict(mesh.shape))} ({mesh.size} devices)"]
   lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
@@ -441,14 +455,17 @@ def cluster_detected() -> bool:
   from jax._src.clusters import ClusterEnv  # pylint: disable=g-import-not-at-top
 
   return any(
-      env.is_env_present() for env in ClusterEnv._cluster_types  # pylint: disable=protected-access
+      env.is_env_present()
+      for env in ClusterEnv._cluster_types  # pylint: disable=protected-access
       if not env.opt_in_only_method
   )
 
 
-def initialize_distributed(coordinator_address: str | None = None,
-                           num_processes: int | None = None,
-                           process_id: int | None = None) -> bool:
+def initialize_distributed(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> bool:
   """Start JAX's multi-controller runtime; returns whether it runs multi-process.
 
   Pass the three arguments for a manual launch (one process per host, the same command

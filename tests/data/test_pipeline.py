@@ -25,8 +25,16 @@ def _take(it, n):
 
 
 def _lm_config(text_file, **kw):
-  cfg = dict(source="text_files", task="lm", train_files=text_file, eval_files=text_file,
-             seq_len=32, global_batch_size=4, lm_shuffle_window=1000, pack=True)
+  cfg = dict(
+      source="text_files",
+      task="lm",
+      train_files=text_file,
+      eval_files=text_file,
+      seq_len=32,
+      global_batch_size=4,
+      lm_shuffle_window=1000,
+      pack=True,
+  )
   return make_config(**{**cfg, **kw})
 
 
@@ -52,7 +60,7 @@ def test_lm_packing_invariants(text_file):
   for doc in DOCS:
     ids = np.array(tok.encode(doc) + [tok.eos_id])
     for start in range(0, len(ids) - 1, 32):
-      piece = ids[start:start + 33]
+      piece = ids[start : start + 33]
       want.append((tuple(piece[:-1]), tuple(piece[1:])))
   # The batch tail that does not fill a batch is dropped (drop_remainder); all else is exact.
   assert len(set(got)) == len(got)
@@ -72,12 +80,23 @@ def test_no_attention_across_documents(text_file):
       assert any(text in doc for doc in DOCS), text
 
 
-@pytest.mark.parametrize("overrides,steps", [
-    (dict(pack=True), 200),  # synthetic seq2seq, packed: the 200-batch acceptance check
-    (dict(task="mlm", seq_len=24, synthetic_train_size=70, lm_shuffle_window=1000), 40),
-    (dict(task="span_corruption", target_len=8, synthetic_train_size=70, lm_shuffle_window=1000,
-          pack=True), 40),
-])
+@pytest.mark.parametrize(
+    "overrides,steps",
+    [
+        (dict(pack=True), 200),  # synthetic seq2seq, packed: the 200-batch acceptance check
+        (dict(task="mlm", seq_len=24, synthetic_train_size=70, lm_shuffle_window=1000), 40),
+        (
+            dict(
+                task="span_corruption",
+                target_len=8,
+                synthetic_train_size=70,
+                lm_shuffle_window=1000,
+                pack=True,
+            ),
+            40,
+        ),
+    ],
+)
 def test_restored_iterator_equals_continuous(overrides, steps):
   """Restore after `steps` batches (several epochs in); the next `steps` match bit for bit."""
   # grain's index_shuffle slows down as the range shrinks (~1 ms per index at 50 records),
@@ -113,6 +132,7 @@ def test_seed_determinism():
   def first(seed):
     config = make_config(shuffle_seed=seed, global_batch_size=4)
     return _take(data.build_train_iterator(config, process_index=0, process_count=1), 3)
+
   a, b, c = first(0), first(0), first(1)
   for x, y in zip(a, b):
     np.testing.assert_array_equal(x["encoder_inputs"], y["encoder_inputs"])
@@ -121,15 +141,22 @@ def test_seed_determinism():
 
 def _sources(batches):
   tok = tokenizers.ByteTokenizer()
-  return [tok.decode(row[seg > 0]) for b in batches
-          for row, seg in zip(b["encoder_inputs"], b["encoder_segment_ids"]) if seg.any()]
+  return [
+      tok.decode(row[seg > 0])
+      for b in batches
+      for row, seg in zip(b["encoder_inputs"], b["encoder_segment_ids"])
+      if seg.any()
+  ]
 
 
 def test_process_shards_are_disjoint_and_cover_split():
-  config = make_config(synthetic_train_size=30, num_epochs=1, global_batch_size=3,
-                       eval_global_batch_size=3)
-  shards = [_sources(data.build_train_iterator(config, process_index=p, process_count=3))
-            for p in range(3)]
+  config = make_config(
+      synthetic_train_size=30, num_epochs=1, global_batch_size=3, eval_global_batch_size=3
+  )
+  shards = [
+      _sources(data.build_train_iterator(config, process_index=p, process_count=3))
+      for p in range(3)
+  ]
   assert [len(s) for s in shards] == [10, 10, 10]
   assert not set(shards[0]) & set(shards[1]) and not set(shards[1]) & set(shards[2])
   everything = data.eval_examples(make_config(synthetic_train_size=30), "train")
@@ -161,8 +188,10 @@ def test_eval_batches_padded_exact_and_sharded():
   assert _sources(single) == [s for s, _ in pairs]  # source order, padding rows empty
   tok = tokenizers.ByteTokenizer()
   assert sum(b["weights"].sum() for b in single) == sum(len(tok.encode(t)) + 1 for _, t in pairs)
-  per_process = [data.build_eval_batches(config, "validation", process_index=p, process_count=2)
-                 for p in range(2)]
+  per_process = [
+      data.build_eval_batches(config, "validation", process_index=p, process_count=2)
+      for p in range(2)
+  ]
   assert len(per_process[0]) == len(per_process[1])  # every host runs the same eval steps
   assert sorted(_sources(per_process[0]) + _sources(per_process[1])) == sorted(s for s, _ in pairs)
 
@@ -178,8 +207,10 @@ def test_synthetic_heldout_disjoint_from_train():
 
 def test_make_global_batch_shards_leading_axis():
   mesh = jax.make_mesh((4, 2), ("data", "fsdp"))
-  local = {"inputs": np.arange(8 * 5, dtype=np.int32).reshape(8, 5),
-           "weights": np.ones((8, 5), np.float32)}
+  local = {
+      "inputs": np.arange(8 * 5, dtype=np.int32).reshape(8, 5),
+      "weights": np.ones((8, 5), np.float32),
+  }
   out = data.make_global_batch(local, mesh, ("data", "fsdp"))
   np.testing.assert_array_equal(np.asarray(out["inputs"]), local["inputs"])
   assert out["inputs"].sharding.spec[0] == ("data", "fsdp")
@@ -189,8 +220,15 @@ def test_make_global_batch_shards_leading_axis():
 
 
 def test_span_corruption_pipeline_reconstructs(text_file):
-  config = make_config(source="text_files", task="span_corruption", train_files=text_file,
-                       source_len=24, target_len=12, global_batch_size=2, pack=False)
+  config = make_config(
+      source="text_files",
+      task="span_corruption",
+      train_files=text_file,
+      source_len=24,
+      target_len=12,
+      global_batch_size=2,
+      pack=False,
+  )
   b = next(data.build_train_iterator(config, process_index=0, process_count=1))
   tok = tokenizers.ByteTokenizer()
   sentinels = {tok.sentinel_id(i) for i in range(100)}

@@ -13,12 +13,23 @@ from tests.data.helpers import make_config
 
 def test_tfds_mock_lm_and_classification():
   with tfds.testing.mock_data(num_examples=12):
-    lm = make_config(source="tfds", tfds_name="tiny_shakespeare", task="lm", seq_len=16,
-                     global_batch_size=2, pack=True)
+    lm = make_config(
+        source="tfds",
+        tfds_name="tiny_shakespeare",
+        task="lm",
+        seq_len=16,
+        global_batch_size=2,
+        pack=True,
+    )
     b = next(data.build_train_iterator(lm, process_index=0, process_count=1))
     assert b["inputs"].shape == (2, 16) and (b["segment_ids"] > 0).any()
-    cls = make_config(source="tfds", tfds_name="imdb_reviews", task="classification",
-                      seq_len=32, global_batch_size=4)
+    cls = make_config(
+        source="tfds",
+        tfds_name="imdb_reviews",
+        task="classification",
+        seq_len=32,
+        global_batch_size=4,
+    )
     b = next(data.build_train_iterator(cls, process_index=0, process_count=1))
     assert b["labels"].shape == (4,) and b["labels"].dtype == np.int32
     assert (b["inputs"][:, 0] == 1).all() and b["token_type_ids"].max() == 0  # [CLS] first
@@ -43,11 +54,14 @@ def test_bad_values_name_the_field(tmp_path):
   empty = tmp_path / "empty.txt"
   empty.write_text("")
   with pytest.raises(ValueError, match="data.train_files.*empty"):
-    sources.build_source(make_config(source="text_files", task="lm", train_files=str(empty)).data,
-                         "train")
+    sources.build_source(
+        make_config(source="text_files", task="lm", train_files=str(empty)).data, "train"
+    )
   with pytest.raises(FileNotFoundError, match="data.train_files.*matches no file"):
-    sources.build_source(make_config(source="text_files", task="lm",
-                                     train_files=str(tmp_path / "nope*.txt")).data, "train")
+    sources.build_source(
+        make_config(source="text_files", task="lm", train_files=str(tmp_path / "nope*.txt")).data,
+        "train",
+    )
   with pytest.raises(FileNotFoundError, match="data.manual_dir"):
     sources.build_source(make_config(source="multi30k", manual_dir=str(tmp_path)).data, "train")
 
@@ -56,11 +70,21 @@ def test_tsv_seq2seq_and_pair_classification(tmp_path):
   path = tmp_path / "pairs.tsv"
   path.write_text("de\ten\tlabel\nein Hund\ta dog\t1\nzwei Katzen\ttwo cats\t0\n", encoding="utf-8")
   cfg = make_config(source="tsv", train_files=str(path), eval_files=str(path))
-  assert data.eval_examples(cfg, "validation") == [("ein Hund", "a dog"), ("zwei Katzen", "two cats")]
+  assert data.eval_examples(cfg, "validation") == [
+      ("ein Hund", "a dog"),
+      ("zwei Katzen", "two cats"),
+  ]
   (batch,) = data.build_eval_batches(cfg, "validation", process_index=0, process_count=1)
   assert batch["weights"].sum() == len("a dog") + 1 + len("two cats") + 1
-  cls = make_config(source="tsv", task="classification", eval_files=str(path), text_key="de",
-                    text_pair_key="en", seq_len=32, eval_global_batch_size=2)
+  cls = make_config(
+      source="tsv",
+      task="classification",
+      eval_files=str(path),
+      text_key="de",
+      text_pair_key="en",
+      seq_len=32,
+      eval_global_batch_size=2,
+  )
   (batch,) = data.build_eval_batches(cls, "validation", process_index=0, process_count=1)
   np.testing.assert_array_equal(batch["labels"], [1, 0])
   assert batch["token_type_ids"][0].sum() == len("a dog") + 1  # segment B and its [SEP]
@@ -83,10 +107,13 @@ def test_multi30k_builder_from_manual_dir(tmp_path):
   cfg = make_config(source="multi30k", manual_dir=str(manual), tfds_data_dir=str(tmp_path / "tfds"))
   assert len(sources.build_source(cfg.data, "train")) == 5
   pairs = data.eval_examples(cfg, "test2016")
-  assert pairs == [("test_2016_flickr satz 0 Grüße", "test_2016_flickr sentence 0"),
-                   ("test_2016_flickr satz 1 Grüße", "test_2016_flickr sentence 1")]
-  assert sorted(s for s, _ in data.eval_examples(cfg, "validation")) == \
-      [f"val satz {i} Grüße" for i in range(3)]
+  assert pairs == [
+      ("test_2016_flickr satz 0 Grüße", "test_2016_flickr sentence 0"),
+      ("test_2016_flickr satz 1 Grüße", "test_2016_flickr sentence 1"),
+  ]
+  assert sorted(s for s, _ in data.eval_examples(cfg, "validation")) == [
+      f"val satz {i} Grüße" for i in range(3)
+  ]
   with pytest.raises(ValueError, match="split 'test'.*available"):
     sources.build_source(cfg.data, "test")
 
@@ -98,9 +125,16 @@ def tfds_dir(tmp_path_factory):
 
 def test_tiny_shakespeare_real_lm(data_dir, tfds_dir):
   """TFDS's own tiny_shakespeare builder, prepared offline from the shared file."""
-  cfg = make_config(source="tfds", tfds_name="tiny_shakespeare", task="lm", seq_len=64,
-                    global_batch_size=4, manual_dir=str(data_dir / "tinyshakespeare"),
-                    tfds_data_dir=tfds_dir, eval_global_batch_size=32)
+  cfg = make_config(
+      source="tfds",
+      tfds_name="tiny_shakespeare",
+      task="lm",
+      seq_len=64,
+      global_batch_size=4,
+      manual_dir=str(data_dir / "tinyshakespeare"),
+      tfds_data_dir=tfds_dir,
+      eval_global_batch_size=32,
+  )
   text = (data_dir / "tinyshakespeare" / "input.txt").read_text(encoding="utf-8")
   b = next(data.build_train_iterator(cfg, process_index=0, process_count=1))
   tok = data.build_tokenizer(cfg.data)
@@ -113,9 +147,13 @@ def test_tiny_shakespeare_real_lm(data_dir, tfds_dir):
 
 def test_multi30k_real_files(data_dir, tfds_dir):
   """The shared raw files: published sizes, and record i is line i of the .gz pair."""
-  cfg = make_config(source="multi30k", manual_dir=str(data_dir / "multi30k"), tfds_data_dir=tfds_dir)
-  sizes = {split: len(sources.build_source(cfg.data, split))
-           for split in ("train", "validation", "test2016")}
+  cfg = make_config(
+      source="multi30k", manual_dir=str(data_dir / "multi30k"), tfds_data_dir=tfds_dir
+  )
+  sizes = {
+      split: len(sources.build_source(cfg.data, split))
+      for split in ("train", "validation", "test2016")
+  }
   assert sizes == {"train": 29000, "validation": 1014, "test2016": 1000}
   with gzip.open(data_dir / "multi30k" / "test_2016_flickr.de.gz", "rt", encoding="utf-8") as f:
     de = f.read().splitlines()

@@ -16,9 +16,16 @@ def test_mlm_fractions_over_many_samples():
   for i in range(400):
     # [CLS] text [SEP] plus pads: specials and pads must never be selected.
     ids = np.concatenate([[1], rng.integers(4, 260, size=rng.integers(20, 120)), [2], [0] * 5])
-    ex = tasks.mlm_example(ids, np.random.default_rng(i), mask_id=MASK, special_ids=SPECIAL,
-                           regular_ids=REGULAR, probability=0.15, mask_fraction=0.8,
-                           random_fraction=0.1)
+    ex = tasks.mlm_example(
+        ids,
+        np.random.default_rng(i),
+        mask_id=MASK,
+        special_ids=SPECIAL,
+        regular_ids=REGULAR,
+        probability=0.15,
+        mask_fraction=0.8,
+        random_fraction=0.1,
+    )
     sel = ex["weights"] > 0
     assert not sel[np.isin(ids, list(SPECIAL))].any()
     np.testing.assert_array_equal(ex["targets"], ids)
@@ -65,14 +72,20 @@ def test_span_corruption_reconstructs_original(length):
   noise_total = total = spans = 0
   for seed in range(50):
     ids = np.random.default_rng(seed).integers(4, 260, size=length)
-    ex = tasks.span_corruption_example(ids, np.random.default_rng(seed + 1000), noise_density=0.15,
-                                       mean_noise_span_length=3.0, sentinel_ids=sentinels,
-                                       eos_id=2, decoder_start_id=1)
+    ex = tasks.span_corruption_example(
+        ids,
+        np.random.default_rng(seed + 1000),
+        noise_density=0.15,
+        mean_noise_span_length=3.0,
+        sentinel_ids=sentinels,
+        eos_id=2,
+        decoder_start_id=1,
+    )
     inputs, targets = ex["encoder_inputs"], ex["targets"]
     assert inputs[-1] == 2 and targets[-1] == 2
     assert _reconstruct(list(inputs), list(targets), set(sentinels)) == list(ids)
     used = [t for t in inputs if t in sentinels]
-    assert used == sentinels[:len(used)]  # <extra_id_0> first, counting down
+    assert used == sentinels[: len(used)]  # <extra_id_0> first, counting down
     np.testing.assert_array_equal(ex["decoder_inputs"], np.concatenate([[1], targets[:-1]]))
     noise_total += len(targets) - 1 - len(used)
     total += length

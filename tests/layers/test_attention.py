@@ -14,140 +14,154 @@ B, T, D, N, H = 2, 6, 16, 4, 8
 
 
 def numpy_attention(q, k, v, mask=None, bias=None):
-    """Per head, in float64: softmax(q kᵀ / sqrt(H) + bias) v; masked keys weigh 0."""
-    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
-    groups = q.shape[2] // k.shape[2]
-    k, v = np.repeat(k, groups, axis=2), np.repeat(v, groups, axis=2)
-    logits = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
-    if bias is not None:
-        logits = logits + np.asarray(bias, np.float64)
-    allowed = np.ones(logits.shape, bool) if mask is None else np.broadcast_to(
-        np.asarray(mask), logits.shape)
-    logits = np.where(allowed, logits, -np.inf)
-    row_max = np.max(np.where(allowed, logits, -1e300), axis=-1, keepdims=True)
-    weights = np.where(allowed, np.exp(logits - row_max), 0.0)
-    denom = weights.sum(-1, keepdims=True)
-    weights = np.divide(weights, denom, out=np.zeros_like(weights), where=denom > 0)
-    return np.einsum("bnts,bsnh->btnh", weights, v), weights
+  """Per head, in float64: softmax(q kᵀ / sqrt(H) + bias) v; masked keys weigh 0."""
+  q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+  groups = q.shape[2] // k.shape[2]
+  k, v = np.repeat(k, groups, axis=2), np.repeat(v, groups, axis=2)
+  logits = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
+  if bias is not None:
+    logits = logits + np.asarray(bias, np.float64)
+  allowed = (
+      np.ones(logits.shape, bool)
+      if mask is None
+      else np.broadcast_to(np.asarray(mask), logits.shape)
+  )
+  logits = np.where(allowed, logits, -np.inf)
+  row_max = np.max(np.where(allowed, logits, -1e300), axis=-1, keepdims=True)
+  weights = np.where(allowed, np.exp(logits - row_max), 0.0)
+  denom = weights.sum(-1, keepdims=True)
+  weights = np.divide(weights, denom, out=np.zeros_like(weights), where=denom > 0)
+  return np.einsum("bnts,bsnh->btnh", weights, v), weights
 
 
 def _qkv(num_kv_heads=N, seed=0):
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((B, T, N, H)).astype(np.float32)
-    k = rng.standard_normal((B, T, num_kv_heads, H)).astype(np.float32)
-    v = rng.standard_normal((B, T, num_kv_heads, H)).astype(np.float32)
-    return q, k, v
+  rng = np.random.default_rng(seed)
+  q = rng.standard_normal((B, T, N, H)).astype(np.float32)
+  k = rng.standard_normal((B, T, num_kv_heads, H)).astype(np.float32)
+  v = rng.standard_normal((B, T, num_kv_heads, H)).astype(np.float32)
+  return q, k, v
 
 
 def _mask_kinds():
-    causal = masks.causal_mask_for_length(B, T)
-    valid = jnp.array([[1] * T, [1] * 4 + [0] * (T - 4)], bool)
-    padding = masks.padding_mask(valid, valid)
-    segments = jnp.array([[1, 1, 1, 2, 2, 2], [1, 1, 2, 2, 2, 0]])
-    packing = masks.segment_mask(segments, segments)
-    return {"none": None, "causal": causal, "padding": padding, "packing": packing,
-            "causal+packing": masks.combine(causal, packing)}
+  causal = masks.causal_mask_for_length(B, T)
+  valid = jnp.array([[1] * T, [1] * 4 + [0] * (T - 4)], bool)
+  padding = masks.padding_mask(valid, valid)
+  segments = jnp.array([[1, 1, 1, 2, 2, 2], [1, 1, 2, 2, 2, 0]])
+  packing = masks.segment_mask(segments, segments)
+  return {
+      "none": None,
+      "causal": causal,
+      "padding": padding,
+      "packing": packing,
+      "causal+packing": masks.combine(causal, packing),
+  }
 
 
 @pytest.mark.parametrize("kind", list(_mask_kinds()))
 @pytest.mark.parametrize("num_kv_heads", [N, 2, 1])
 def test_dense_matches_numpy(kind, num_kv_heads):
-    q, k, v = _qkv(num_kv_heads)
-    mask = _mask_kinds()[kind]
-    out = dense_attention(q, k, v, mask, None, scale=H ** -0.5)
-    expected, _ = numpy_attention(q, k, v, mask)
-    np.testing.assert_allclose(np.asarray(out), expected, atol=2e-5, rtol=2e-5)
+  q, k, v = _qkv(num_kv_heads)
+  mask = _mask_kinds()[kind]
+  out = dense_attention(q, k, v, mask, None, scale=H**-0.5)
+  expected, _ = numpy_attention(q, k, v, mask)
+  np.testing.assert_allclose(np.asarray(out), expected, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("backend", sorted(set(BACKENDS) - {"dense", "cudnn"}))
 def test_backends_agree_with_dense(backend):
-    q, k, v = _qkv(num_kv_heads=2)
-    mask = _mask_kinds()["causal+packing"]
-    bias = jnp.asarray(np.random.default_rng(1).standard_normal((1, N, T, T)), jnp.float32)
-    ref = dense_attention(q, k, v, mask, bias, scale=0.3)
-    out = BACKENDS[backend](q, k, v, mask, bias, scale=0.3)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5)
+  q, k, v = _qkv(num_kv_heads=2)
+  mask = _mask_kinds()["causal+packing"]
+  bias = jnp.asarray(np.random.default_rng(1).standard_normal((1, N, T, T)), jnp.float32)
+  ref = dense_attention(q, k, v, mask, bias, scale=0.3)
+  out = BACKENDS[backend](q, k, v, mask, bias, scale=0.3)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5)
 
 
 def test_masked_keys_get_exactly_zero_weight():
-    """Changing a masked key or value, even to a huge number, changes nothing bit for bit."""
-    q, k, v = _qkv()
-    mask = _mask_kinds()["causal"]
-    out = dense_attention(q, k, v, mask, None, scale=H ** -0.5)
-    k2, v2 = k.copy(), v.copy()
-    k2[:, -1], v2[:, -1] = 1e4, -1e4  # the last key is masked for every query but the last
-    out2 = dense_attention(q, k2, v2, mask, None, scale=H ** -0.5)
-    np.testing.assert_array_equal(np.asarray(out)[:, :-1], np.asarray(out2)[:, :-1])
+  """Changing a masked key or value, even to a huge number, changes nothing bit for bit."""
+  q, k, v = _qkv()
+  mask = _mask_kinds()["causal"]
+  out = dense_attention(q, k, v, mask, None, scale=H**-0.5)
+  k2, v2 = k.copy(), v.copy()
+  k2[:, -1], v2[:, -1] = 1e4, -1e4  # the last key is masked for every query but the last
+  out2 = dense_attention(q, k2, v2, mask, None, scale=H**-0.5)
+  np.testing.assert_array_equal(np.asarray(out)[:, :-1], np.asarray(out2)[:, :-1])
 
 
 @pytest.mark.parametrize("backend", sorted(set(BACKENDS) - {"cudnn"}))
 def test_fully_masked_rows_give_zeros_not_nan(backend):
-    q, k, v = _qkv()
-    mask = jnp.zeros((B, 1, T, T), bool).at[0, :, :3].set(True)  # rows 3.. of batch 0, all of 1
-    out = np.asarray(BACKENDS[backend](q, k, v, mask, None, scale=H ** -0.5))
-    assert np.isfinite(out).all()
-    np.testing.assert_array_equal(out[0, 3:], 0.0)
-    np.testing.assert_array_equal(out[1], 0.0)
+  q, k, v = _qkv()
+  mask = jnp.zeros((B, 1, T, T), bool).at[0, :, :3].set(True)  # rows 3.. of batch 0, all of 1
+  out = np.asarray(BACKENDS[backend](q, k, v, mask, None, scale=H**-0.5))
+  assert np.isfinite(out).all()
+  np.testing.assert_array_equal(out[0, 3:], 0.0)
+  np.testing.assert_array_equal(out[1], 0.0)
 
 
 def _module_and_params(num_kv_heads, use_bias=True):
-    module = MultiHeadAttention(num_heads=N, num_kv_heads=num_kv_heads, head_dim=H,
-                                use_bias=use_bias)
-    x = jnp.asarray(np.random.default_rng(2).standard_normal((B, T, D)), jnp.float32)
-    params = nn.unbox(module.init(jax.random.PRNGKey(0), x)["params"])
-    return module, params, x
+  module = MultiHeadAttention(num_heads=N, num_kv_heads=num_kv_heads, head_dim=H, use_bias=use_bias)
+  x = jnp.asarray(np.random.default_rng(2).standard_normal((B, T, D)), jnp.float32)
+  params = nn.unbox(module.init(jax.random.PRNGKey(0), x)["params"])
+  return module, params, x
 
 
 @pytest.mark.parametrize("num_kv_heads", [N, 2, 1])
 def test_module_equals_numpy_projections(num_kv_heads):
-    """Full layer (projections + attention + output) against numpy; K<N is GQA/MQA."""
-    module, p, x = _module_and_params(num_kv_heads)
-    mask = _mask_kinds()["causal+packing"]
-    out = module.apply({"params": p}, x, mask=mask)
-    xn = np.asarray(x, np.float64)
-    proj = lambda name: np.einsum("btd,dnh->btnh", xn, np.asarray(p[name]["kernel"])) + np.asarray(
-        p[name]["bias"])
-    ctx, _ = numpy_attention(proj("query"), proj("key"), proj("value"), mask)
-    expected = np.einsum("btnh,nhd->btd", ctx, np.asarray(p["out"]["kernel"])) + np.asarray(
-        p["out"]["bias"])
-    np.testing.assert_allclose(np.asarray(out), expected, atol=3e-5, rtol=3e-5)
+  """Full layer (projections + attention + output) against numpy; K<N is GQA/MQA."""
+  module, p, x = _module_and_params(num_kv_heads)
+  mask = _mask_kinds()["causal+packing"]
+  out = module.apply({"params": p}, x, mask=mask)
+  xn = np.asarray(x, np.float64)
+  proj = lambda name: np.einsum("btd,dnh->btnh", xn, np.asarray(p[name]["kernel"])) + np.asarray(
+      p[name]["bias"]
+  )
+  ctx, _ = numpy_attention(proj("query"), proj("key"), proj("value"), mask)
+  expected = np.einsum("btnh,nhd->btd", ctx, np.asarray(p["out"]["kernel"])) + np.asarray(
+      p["out"]["bias"]
+  )
+  np.testing.assert_allclose(np.asarray(out), expected, atol=3e-5, rtol=3e-5)
 
 
 def test_gqa_with_all_kv_heads_equals_mha_with_repeated_heads():
-    """GQA with K=2 equals MHA whose K/V projections repeat each KV head N/K times."""
-    gqa, p, x = _module_and_params(2)
-    mha = MultiHeadAttention(num_heads=N, num_kv_heads=N, head_dim=H, use_bias=True)
-    p_mha = jax.tree.map(lambda a: a, p)
-    for name in ("key", "value"):
-        p_mha[name] = {"kernel": jnp.repeat(p[name]["kernel"], N // 2, axis=1),
-                       "bias": jnp.repeat(p[name]["bias"], N // 2, axis=0)}
-    mask = _mask_kinds()["causal"]
-    np.testing.assert_allclose(np.asarray(gqa.apply({"params": p}, x, mask=mask)),
-                               np.asarray(mha.apply({"params": p_mha}, x, mask=mask)), atol=1e-5)
+  """GQA with K=2 equals MHA whose K/V projections repeat each KV head N/K times."""
+  gqa, p, x = _module_and_params(2)
+  mha = MultiHeadAttention(num_heads=N, num_kv_heads=N, head_dim=H, use_bias=True)
+  p_mha = jax.tree.map(lambda a: a, p)
+  for name in ("key", "value"):
+    p_mha[name] = {
+        "kernel": jnp.repeat(p[name]["kernel"], N // 2, axis=1),
+        "bias": jnp.repeat(p[name]["bias"], N // 2, axis=0),
+    }
+  mask = _mask_kinds()["causal"]
+  np.testing.assert_allclose(
+      np.asarray(gqa.apply({"params": p}, x, mask=mask)),
+      np.asarray(mha.apply({"params": p_mha}, x, mask=mask)),
+      atol=1e-5,
+  )
 
 
 def test_cross_attention_attends_to_memory():
-    module = MultiHeadAttention(num_heads=N, num_kv_heads=N, head_dim=H)
-    rng = np.random.default_rng(3)
-    x = jnp.asarray(rng.standard_normal((B, T, D)), jnp.float32)
-    memory = jnp.asarray(rng.standard_normal((B, 9, D)), jnp.float32)
-    p = nn.unbox(module.init(jax.random.PRNGKey(0), x, memory, is_cross=True)["params"])
-    out = module.apply({"params": p}, x, memory, is_cross=True)
-    xn, mn = np.asarray(x, np.float64), np.asarray(memory, np.float64)
-    q = np.einsum("btd,dnh->btnh", xn, np.asarray(p["query"]["kernel"]))
-    k = np.einsum("bsd,dnh->bsnh", mn, np.asarray(p["key"]["kernel"]))
-    v = np.einsum("bsd,dnh->bsnh", mn, np.asarray(p["value"]["kernel"]))
-    ctx, _ = numpy_attention(q, k, v)
-    expected = np.einsum("btnh,nhd->btd", ctx, np.asarray(p["out"]["kernel"]))
-    np.testing.assert_allclose(np.asarray(out), expected, atol=3e-5)
+  module = MultiHeadAttention(num_heads=N, num_kv_heads=N, head_dim=H)
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.standard_normal((B, T, D)), jnp.float32)
+  memory = jnp.asarray(rng.standard_normal((B, 9, D)), jnp.float32)
+  p = nn.unbox(module.init(jax.random.PRNGKey(0), x, memory, is_cross=True)["params"])
+  out = module.apply({"params": p}, x, memory, is_cross=True)
+  xn, mn = np.asarray(x, np.float64), np.asarray(memory, np.float64)
+  q = np.einsum("btd,dnh->btnh", xn, np.asarray(p["query"]["kernel"]))
+  k = np.einsum("bsd,dnh->bsnh", mn, np.asarray(p["key"]["kernel"]))
+  v = np.einsum("bsd,dnh->bsnh", mn, np.asarray(p["value"]["kernel"]))
+  ctx, _ = numpy_attention(q, k, v)
+  expected = np.einsum("btnh,nhd->btd", ctx, np.asarray(p["out"]["kernel"]))
+  np.testing.assert_allclose(np.asarray(out), expected, atol=3e-5)
 
 
 def test_attention_dropout_is_active_only_in_training():
-    module = MultiHeadAttention(num_heads=N, num_kv_heads=N, head_dim=H, dropout_rate=0.5)
-    _, p, x = _module_and_params(N, use_bias=False)
-    eval_out = module.apply({"params": p}, x)
-    np.testing.assert_array_equal(np.asarray(eval_out), np.asarray(module.apply({"params": p}, x)))
-    train_a = module.apply({"params": p}, x, train=True, rngs={"dropout": jax.random.PRNGKey(1)})
-    train_b = module.apply({"params": p}, x, train=True, rngs={"dropout": jax.random.PRNGKey(2)})
-    assert not np.allclose(np.asarray(train_a), np.asarray(eval_out))
-    assert not np.allclose(np.asarray(train_a), np.asarray(train_b))
+  module = MultiHeadAttention(num_heads=N, num_kv_heads=N, head_dim=H, dropout_rate=0.5)
+  _, p, x = _module_and_params(N, use_bias=False)
+  eval_out = module.apply({"params": p}, x)
+  np.testing.assert_array_equal(np.asarray(eval_out), np.asarray(module.apply({"params": p}, x)))
+  train_a = module.apply({"params": p}, x, train=True, rngs={"dropout": jax.random.PRNGKey(1)})
+  train_b = module.apply({"params": p}, x, train=True, rngs={"dropout": jax.random.PRNGKey(2)})
+  assert not np.allclose(np.asarray(train_a), np.asarray(eval_out))
+  assert not np.allclose(np.asarray(train_a), np.asarray(train_b))

@@ -14,48 +14,74 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 def write_corpus(path: pathlib.Path, lines: int = 400, seed: int = 0) -> pathlib.Path:
   """A small deterministic English-like text file, one document per line."""
   rng = np.random.default_rng(seed)
-  words = ("the king of a crown and my lord shall speak to thee now what is love but "
-           "a sigh come hither good friend").split()
+  words = (
+      "the king of a crown and my lord shall speak to thee now what is love but "
+      "a sigh come hither good friend"
+  ).split()
   text = "\n".join(" ".join(rng.choice(words, rng.integers(5, 15))) for _ in range(lines))
   path.write_text(text + "\n")
   return path
 
 
-def tiny_gpt_flags(corpus: pathlib.Path, workdir: pathlib.Path, steps: int = 60,
-                   **overrides) -> list[str]:
+def tiny_gpt_flags(
+    corpus: pathlib.Path, workdir: pathlib.Path, steps: int = 60, **overrides
+) -> list[str]:
   """Flags for the tiny GPT preset on a local text file, logging every step."""
   values = {
-      "data.source": "text_files", "data.task": "lm", "data.train_files": str(corpus),
-      "data.eval_files": str(corpus), "data.seq_len": 32, "data.global_batch_size": 8,
-      "data.eval_global_batch_size": 8, "data.pack": False, "train.steps": steps,
-      "train.log_every": 1, "train.eval_every": 0, "train.eval_batches": 2,
-      "train.progress": "log", "train.plot": False, "checkpoint.every": 10,
-      "schedule.warmup_steps": 5, "model.num_layers": 2,
+      "data.source": "text_files",
+      "data.task": "lm",
+      "data.train_files": str(corpus),
+      "data.eval_files": str(corpus),
+      "data.seq_len": 32,
+      "data.global_batch_size": 8,
+      "data.eval_global_batch_size": 8,
+      "data.pack": False,
+      "train.steps": steps,
+      "train.log_every": 1,
+      "train.eval_every": 0,
+      "train.eval_batches": 2,
+      "train.progress": "log",
+      "train.plot": False,
+      "checkpoint.every": 10,
+      "schedule.warmup_steps": 5,
+      "model.num_layers": 2,
   }
   values.update(overrides)
-  return (["--config=configs/gpt.py:tiny", f"--workdir={workdir}"]
-          + [f"--config.{k}={v}" for k, v in values.items()])
+  return ["--config=configs/gpt.py:tiny", f"--workdir={workdir}"] + [
+      f"--config.{k}={v}" for k, v in values.items()
+  ]
 
 
 def env() -> dict:
   """One CPU device (the 8 fake ones only slow a 2-core machine down here)."""
   e = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
-  e["XLA_FLAGS"] = " ".join(f for f in e.get("XLA_FLAGS", "").split()
-                            if "device_count" not in f)
+  e["XLA_FLAGS"] = " ".join(f for f in e.get("XLA_FLAGS", "").split() if "device_count" not in f)
   return e
 
 
 def launch(flags: list[str], **kwargs) -> subprocess.Popen:
   """Starts the trainer as a child process in the repository root."""
-  return subprocess.Popen([sys.executable, "-m", "experiments.train", *flags], cwd=REPO,
-                          env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, **kwargs)
+  return subprocess.Popen(
+      [sys.executable, "-m", "experiments.train", *flags],
+      cwd=REPO,
+      env=env(),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+      **kwargs,
+  )
 
 
 def run(flags: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
   """Runs the trainer to completion."""
-  return subprocess.run([sys.executable, "-m", "experiments.train", *flags], cwd=REPO,
-                        env=env(), capture_output=True, text=True, timeout=timeout)
+  return subprocess.run(
+      [sys.executable, "-m", "experiments.train", *flags],
+      cwd=REPO,
+      env=env(),
+      capture_output=True,
+      text=True,
+      timeout=timeout,
+  )
 
 
 def losses(workdir: pathlib.Path) -> dict[int, float]:

@@ -14,7 +14,10 @@ pytestmark = pytest.mark.slow
 def test_bert_sst2_preset_trains_on_mock_data(tmp_path):
   config = bert.get_config("tiny-sst2")
   assert (config.data.tfds_name, config.data.task, config.model.head) == (
-      "glue/sst2", "classification", "classification")
+      "glue/sst2",
+      "classification",
+      "classification",
+  )
   config.model.num_layers, config.data.seq_len = 1, 16
   config.data.global_batch_size = config.data.eval_global_batch_size = 8
   config.train.steps, config.train.eval_every, config.train.log_every = 4, 0, 2

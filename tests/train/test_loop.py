@@ -17,13 +17,27 @@ pytestmark = pytest.mark.slow
 
 def _config(corpus, **overrides):
   config = gpt.get_config("tiny")
-  values = {"data.source": "text_files", "data.task": "lm", "data.train_files": str(corpus),
-            "data.eval_files": str(corpus), "data.seq_len": 16, "data.global_batch_size": 8,
-            "data.eval_global_batch_size": 8, "train.steps": 8, "train.log_every": 1,
-            "train.eval_every": 4, "train.eval_batches": 1, "train.progress": "log",
-            "checkpoint.every": 2, "schedule.warmup_steps": 2, "model.num_layers": 1,
-            "model.d_model": 32, "model.mlp_dim": 64, "model.head_dim": 8,
-            "train.peak_flops": 1e12}
+  values = {
+      "data.source": "text_files",
+      "data.task": "lm",
+      "data.train_files": str(corpus),
+      "data.eval_files": str(corpus),
+      "data.seq_len": 16,
+      "data.global_batch_size": 8,
+      "data.eval_global_batch_size": 8,
+      "train.steps": 8,
+      "train.log_every": 1,
+      "train.eval_every": 4,
+      "train.eval_batches": 1,
+      "train.progress": "log",
+      "checkpoint.every": 2,
+      "schedule.warmup_steps": 2,
+      "model.num_layers": 1,
+      "model.d_model": 32,
+      "model.mlp_dim": 64,
+      "model.head_dim": 8,
+      "train.peak_flops": 1e12,
+  }
   values.update(overrides)
   for key, value in values.items():
     section, field = key.split(".")
@@ -71,14 +85,26 @@ def test_nan_batch_aborts_keeping_last_good_checkpoint(tmp_path, poison_step_5):
   config = _config(corpus, **{"train.nonfinite": "abort", "train.eval_every": 0})
   with pytest.raises(loop.NonFiniteLossError, match="step 5 .*last good checkpoint is step 4"):
     loop.train_and_evaluate(config, tmp_path / "w")
-  steps = sorted(int(p.name) for p in (tmp_path / "w" / "checkpoints").iterdir()
-                 if p.name.isdigit())
+  steps = sorted(
+      int(p.name) for p in (tmp_path / "w" / "checkpoints").iterdir() if p.name.isdigit()
+  )
   assert steps == [2, 4]
 
 
 def test_locked_config_typo_names_the_key():
-  out = subprocess.run([sys.executable, "-m", "experiments.train", "--config.trian.steps=3",
-                        "--workdir=/nonexistent/never"], cwd=runs.REPO, env=runs.env(),
-                       capture_output=True, text=True, timeout=300)
+  out = subprocess.run(
+      [
+          sys.executable,
+          "-m",
+          "experiments.train",
+          "--config.trian.steps=3",
+          "--workdir=/nonexistent/never",
+      ],
+      cwd=runs.REPO,
+      env=runs.env(),
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
   assert out.returncode != 0
   assert "trian" in out.stderr

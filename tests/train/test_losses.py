@@ -21,8 +21,9 @@ def test_label_smoothed_cross_entropy_matches_numpy(eps):
   q = np.full((3, 5, 7), eps / 7, np.float64)
   np.put_along_axis(q, targets[..., None], 1 - eps + eps / 7, axis=-1)
   ref = -(q * _np_log_softmax(logits.astype(np.float64))).sum(-1)
-  sums = losses.loss_sums(jnp.asarray(logits), {"targets": targets, "weights": weights},
-                          label_smoothing=eps)
+  sums = losses.loss_sums(
+      jnp.asarray(logits), {"targets": targets, "weights": weights}, label_smoothing=eps
+  )
   np.testing.assert_allclose(float(sums["loss_sum"]), (ref * weights).sum(), rtol=1e-5)
   nll = -np.take_along_axis(_np_log_softmax(logits.astype(np.float64)), targets[..., None], -1)
   np.testing.assert_allclose(float(sums["nll_sum"]), (nll[..., 0] * weights).sum(), rtol=1e-5)
@@ -38,13 +39,15 @@ def test_z_loss_and_classification_labels():
   weights = np.array([1, 1, 0, 1], np.float32)
   log_z = np.log(np.exp(logits.astype(np.float64)).sum(-1))
   nll = log_z - logits[np.arange(4), labels]
-  sums = losses.loss_sums(jnp.asarray(logits), {"labels": labels, "weights": weights},
-                          z_loss=1e-2)
-  np.testing.assert_allclose(float(sums["loss_sum"]), ((nll + 1e-2 * log_z**2) * weights).sum(),
-                             rtol=1e-6)
+  sums = losses.loss_sums(jnp.asarray(logits), {"labels": labels, "weights": weights}, z_loss=1e-2)
+  np.testing.assert_allclose(
+      float(sums["loss_sum"]), ((nll + 1e-2 * log_z**2) * weights).sum(), rtol=1e-6
+  )
 
 
 def test_shape_mismatch_is_named():
   with pytest.raises(ValueError, match="does not match targets shape"):
-    losses.loss_sums(jnp.zeros((2, 3, 5)), {"targets": np.zeros((2, 4), np.int32),
-                                            "weights": np.ones((2, 4), np.float32)})
+    losses.loss_sums(
+        jnp.zeros((2, 3, 5)),
+        {"targets": np.zeros((2, 4), np.int32), "weights": np.ones((2, 4), np.float32)},
+    )

@@ -16,16 +16,26 @@ pytestmark = pytest.mark.slow
 
 def _one_step(**model):
   config = gpt.get_config("tiny")
-  config.model.update(dict(num_layers=2, d_model=32, num_heads=2, num_kv_heads=2,
-                           head_dim=16, mlp_dim=64), **model)
+  config.model.update(
+      dict(num_layers=2, d_model=32, num_heads=2, num_kv_heads=2, head_dim=16, mlp_dim=64), **model
+  )
   batch = _lm_batch(np.random.default_rng(1))
   module = models.build(config.model)
   tx, schedule = optimizers.build_optimizer(config)
   args, kwargs = models.model_inputs(config.model, batch)
-  state = jax.jit(state_lib.make_init_fn(
-      lambda r: module.init({"params": r}, *args, **kwargs, train=False)["params"], tx, 0))()
-  step = jax.jit(functools.partial(steps.train_step, tx=tx, schedule=schedule,
-                                   apply_fn=loop.make_apply_fn(module, config.model)))
+  state = jax.jit(
+      state_lib.make_init_fn(
+          lambda r: module.init({"params": r}, *args, **kwargs, train=False)["params"], tx, 0
+      )
+  )()
+  step = jax.jit(
+      functools.partial(
+          steps.train_step,
+          tx=tx,
+          schedule=schedule,
+          apply_fn=loop.make_apply_fn(module, config.model),
+      )
+  )
   new, metrics = step(state, batch)
   return state, new, jax.device_get(metrics)
 

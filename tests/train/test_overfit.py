@@ -17,16 +17,26 @@ B, T = 4, 12
 def _lm_batch(rng):
   ids = rng.integers(4, 260, (B, T + 1)).astype(np.int32)
   ones = np.ones((B, T), np.int32)
-  return {"inputs": ids[:, :-1], "targets": ids[:, 1:], "weights": ones.astype(np.float32),
-          "segment_ids": ones, "positions": np.tile(np.arange(T, dtype=np.int32), (B, 1))}
+  return {
+      "inputs": ids[:, :-1],
+      "targets": ids[:, 1:],
+      "weights": ones.astype(np.float32),
+      "segment_ids": ones,
+      "positions": np.tile(np.arange(T, dtype=np.int32), (B, 1)),
+  }
 
 
 def _mlm_batch(rng):
   b = _lm_batch(rng)
   chosen = rng.random((B, T)) < 0.3
   chosen[:, 0] = True
-  return dict(b, targets=b["inputs"], inputs=np.where(chosen, 3, b["inputs"]).astype(np.int32),
-              weights=chosen.astype(np.float32), token_type_ids=np.zeros((B, T), np.int32))
+  return dict(
+      b,
+      targets=b["inputs"],
+      inputs=np.where(chosen, 3, b["inputs"]).astype(np.int32),
+      weights=chosen.astype(np.float32),
+      token_type_ids=np.zeros((B, T), np.int32),
+  )
 
 
 def _cls_batch(rng):
@@ -40,10 +50,16 @@ def _seq2seq_batch(rng):
   tgt = src[:, ::-1]
   ones = np.ones((B, T), np.int32)
   pos = np.tile(np.arange(T, dtype=np.int32), (B, 1))
-  return {"encoder_inputs": src, "encoder_segment_ids": ones, "encoder_positions": pos,
-          "decoder_inputs": np.concatenate([np.ones((B, 1), np.int32), tgt[:, :-1]], 1),
-          "decoder_segment_ids": ones, "decoder_positions": pos, "targets": tgt,
-          "weights": ones.astype(np.float32)}
+  return {
+      "encoder_inputs": src,
+      "encoder_segment_ids": ones,
+      "encoder_positions": pos,
+      "decoder_inputs": np.concatenate([np.ones((B, 1), np.int32), tgt[:, :-1]], 1),
+      "decoder_segment_ids": ones,
+      "decoder_positions": pos,
+      "targets": tgt,
+      "weights": ones.astype(np.float32),
+  }
 
 
 def _cls_config():
@@ -78,11 +94,18 @@ def test_overfits_one_batch(family):
   tx, schedule = optimizers.build_optimizer(config)
   args, kwargs = models.model_inputs(config.model, batch)
   init = state_lib.make_init_fn(
-      lambda r: module.init({"params": r}, *args, **kwargs, train=False)["params"], tx, 0)
+      lambda r: module.init({"params": r}, *args, **kwargs, train=False)["params"], tx, 0
+  )
   state = jax.jit(init)()
-  step = jax.jit(functools.partial(
-      steps.train_step, apply_fn=loop.make_apply_fn(module, config.model), tx=tx,
-      schedule=schedule), donate_argnums=0)
+  step = jax.jit(
+      functools.partial(
+          steps.train_step,
+          apply_fn=loop.make_apply_fn(module, config.model),
+          tx=tx,
+          schedule=schedule,
+      ),
+      donate_argnums=0,
+  )
   nll = []
   for _ in range(config.train.steps):
     state, metrics = step(state, batch)

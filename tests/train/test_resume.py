@@ -56,6 +56,7 @@ def test_sigkill_then_relaunch_is_bit_identical(tmp_path):
   assert not mismatched, f"killed at {kill_at}: losses differ at steps {mismatched[:5]}"
   a, b = _final_params(full, 60), _final_params(killed, 60)
   import jax
+
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
@@ -63,8 +64,9 @@ def test_sigkill_then_relaunch_is_bit_identical(tmp_path):
 def test_sigterm_saves_current_step_and_exits_zero(tmp_path):
   corpus = runs.write_corpus(tmp_path / "corpus.txt")
   workdir = tmp_path / "run"
-  proc = runs.launch(runs.tiny_gpt_flags(corpus, workdir, steps=10_000,
-                                         **{"checkpoint.every": 1000}))
+  proc = runs.launch(
+      runs.tiny_gpt_flags(corpus, workdir, steps=10_000, **{"checkpoint.every": 1000})
+  )
   _kill_when(proc, workdir, 7)
   proc.send_signal(signal.SIGTERM)
   out, _ = proc.communicate(timeout=120)

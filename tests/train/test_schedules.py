@@ -26,13 +26,15 @@ def test_paper_schedule_equals_formula(step):
 
 def test_inverse_sqrt_is_flat_in_warmup_then_decays():
   sched = schedules.build_schedule(_cfg(name="inverse_sqrt", warmup_steps=100), 1.0, 10)
-  np.testing.assert_allclose([float(sched(s - 1)) for s in (1, 50, 100, 400)],
-                             [0.1, 0.1, 0.1, 0.05], rtol=1e-6)
+  np.testing.assert_allclose(
+      [float(sched(s - 1)) for s in (1, 50, 100, 400)], [0.1, 0.1, 0.1, 0.05], rtol=1e-6
+  )
 
 
 def test_warmup_cosine_and_linear_shapes():
-  cos = schedules.build_schedule(_cfg(name="warmup_cosine", warmup_steps=10, end_factor=0.1),
-                                 2.0, 110)
+  cos = schedules.build_schedule(
+      _cfg(name="warmup_cosine", warmup_steps=10, end_factor=0.1), 2.0, 110
+  )
   lin = schedules.build_schedule(_cfg(name="warmup_linear", warmup_steps=10), 2.0, 110)
   for s in (0, 5, 10, 60, 110):
     warm = 2.0 * s / 10

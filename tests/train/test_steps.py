@@ -15,10 +15,16 @@ from tx_jax.train import optimizers, state as state_lib, steps
 
 def _config(**optimizer):
   import ml_collections
-  c = ml_collections.ConfigDict({
-      "train": train_defaults.train_config(), "optimizer": train_defaults.optimizer_config(),
-      "schedule": train_defaults.schedule_config(), "loss": train_defaults.loss_config(),
-      "model": {"d_model": 16}})
+
+  c = ml_collections.ConfigDict(
+      {
+          "train": train_defaults.train_config(),
+          "optimizer": train_defaults.optimizer_config(),
+          "schedule": train_defaults.schedule_config(),
+          "loss": train_defaults.loss_config(),
+          "model": {"d_model": 16},
+      }
+  )
   c.schedule.name, c.schedule.warmup_steps = "constant", 0
   c.train.steps = 100
   c.optimizer.update(optimizer)
@@ -26,8 +32,9 @@ def _config(**optimizer):
 
 
 def _state(module, batch, tx, seed=0):
-  init = state_lib.make_init_fn(lambda r: module.init(r, jnp.asarray(batch["inputs"]))["params"],
-                                tx, seed)
+  init = state_lib.make_init_fn(
+      lambda r: module.init(r, jnp.asarray(batch["inputs"]))["params"], tx, seed
+  )
   return jax.jit(init)()
 
 
@@ -41,8 +48,9 @@ def setup():
 def test_accumulated_micro_batches_equal_one_big_batch(setup):
   module, batch = setup
   tx, schedule = optimizers.build_optimizer(_config(learning_rate=1e-2, grad_clip_norm=0.0))
-  step = functools.partial(steps.train_step, apply_fn=standin.apply_fn_for(module), tx=tx,
-                           schedule=schedule)
+  step = functools.partial(
+      steps.train_step, apply_fn=standin.apply_fn_for(module), tx=tx, schedule=schedule
+  )
   state = _state(module, batch, tx)
   big, m_big = jax.jit(step)(state, batch)
   small, m_small = jax.jit(functools.partial(step, grad_accum_steps=4))(state, batch)
@@ -57,16 +65,21 @@ def test_accumulated_micro_batches_equal_one_big_batch(setup):
 def test_nonfinite_batch_is_skipped_and_counted(setup):
   module, batch = setup
   tx, schedule = optimizers.build_optimizer(_config())
-  step = jax.jit(functools.partial(steps.train_step, apply_fn=standin.apply_fn_for(module),
-                                   tx=tx, schedule=schedule))
+  step = jax.jit(
+      functools.partial(
+          steps.train_step, apply_fn=standin.apply_fn_for(module), tx=tx, schedule=schedule
+      )
+  )
   state = _state(module, batch, tx)
   # A NaN weight makes the loss NaN, as a corrupt batch would.
-  bad = dict(batch, weights=np.where(np.arange(6) == 0, np.nan, batch["weights"]).astype(
-      np.float32))
+  bad = dict(
+      batch, weights=np.where(np.arange(6) == 0, np.nan, batch["weights"]).astype(np.float32)
+  )
   new, metrics = step(state, bad)
   assert int(metrics["nonfinite"]) == 1 and int(new.skipped) == 1 and int(new.step) == 1
-  for a, b in zip(jax.tree.leaves((state.params, state.opt_state)),
-                  jax.tree.leaves((new.params, new.opt_state))):
+  for a, b in zip(
+      jax.tree.leaves((state.params, state.opt_state)), jax.tree.leaves((new.params, new.opt_state))
+  ):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   newer, metrics = step(new, batch)
   assert int(metrics["nonfinite"]) == 0 and int(newer.skipped) == 1
@@ -78,13 +91,20 @@ def test_weight_decay_mask_spares_norms_biases_embeddings(setup):
   params = standin.init_params(module, batch)
   mask = optimizers.decay_mask(params, tuple(train_defaults.optimizer_config().no_decay))
   flat = {optimizers.path_str(p): v for p, v in jax.tree_util.tree_flatten_with_path(mask)[0]}
-  assert flat == {"embed/embedding": False, "norm/scale": False, "norm/bias": False,
-                  "hidden/kernel": True, "hidden/bias": False, "out/kernel": True,
-                  "out/bias": False}
+  assert flat == {
+      "embed/embedding": False,
+      "norm/scale": False,
+      "norm/bias": False,
+      "hidden/kernel": True,
+      "hidden/bias": False,
+      "out/kernel": True,
+      "out/bias": False,
+  }
   # With zero gradients AdamW changes exactly the decayed leaves, by lr * wd * p.
   for name in ("adamw", "adafactor"):
-    tx, _ = optimizers.build_optimizer(_config(name=name, learning_rate=0.1, weight_decay=0.5,
-                                               grad_clip_norm=0.0))
+    tx, _ = optimizers.build_optimizer(
+        _config(name=name, learning_rate=0.1, weight_decay=0.5, grad_clip_norm=0.0)
+    )
     zeros = jax.tree.map(jnp.zeros_like, params)
     updates = jax.jit(lambda p, z: tx.update(z, tx.init(p), p)[0])(params, zeros)
     for path, u in jax.tree_util.tree_flatten_with_path(updates)[0]:
@@ -100,8 +120,9 @@ def test_weight_decay_mask_spares_norms_biases_embeddings(setup):
 def test_clipping_bounds_the_update_norm(setup):
   module, batch = setup
   params = standin.init_params(module, batch)
-  tx, _ = optimizers.build_optimizer(_config(name="adamw", learning_rate=1.0, grad_clip_norm=0.5,
-                                             b1=0.0, b2=0.0, eps=0.0))
+  tx, _ = optimizers.build_optimizer(
+      _config(name="adamw", learning_rate=1.0, grad_clip_norm=0.5, b1=0.0, b2=0.0, eps=0.0)
+  )
   big = jax.tree.map(lambda p: jnp.full_like(p, 10.0), params)
   clipped = optax.clip_by_global_norm(0.5).update(big, optax.EmptyState())[0]
   assert float(optax.global_norm(clipped)) == pytest.approx(0.5, rel=1e-5)
@@ -114,8 +135,12 @@ def test_stand_in_overfits_one_batch(setup, dtype):
   module, batch = setup
   module = standin.TinyLM(dtype=dtype, width=32)
   tx, schedule = optimizers.build_optimizer(_config(learning_rate=3e-2))
-  step = jax.jit(functools.partial(steps.train_step, apply_fn=standin.apply_fn_for(module),
-                                   tx=tx, schedule=schedule), donate_argnums=0)
+  step = jax.jit(
+      functools.partial(
+          steps.train_step, apply_fn=standin.apply_fn_for(module), tx=tx, schedule=schedule
+      ),
+      donate_argnums=0,
+  )
   # Targets must be a function of the input token for a per-token model to fit them.
   batch = dict(batch, targets=(batch["inputs"] * 3 + 1) % 11)
   state = _state(module, batch, tx)

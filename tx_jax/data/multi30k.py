@@ -31,13 +31,15 @@ class Multi30k(tfds.core.GeneratorBasedBuilder):
   RELEASE_NOTES = {"1.0.0": "Raw task-1 files; splits train / validation / test2016."}
   MANUAL_DOWNLOAD_INSTRUCTIONS = (
       "Optional (used when offline): place train/val/test_2016_flickr .de.gz and .en.gz from "
-      "https://github.com/multi30k/dataset/tree/master/data/task1/raw in manual_dir.")
+      "https://github.com/multi30k/dataset/tree/master/data/task1/raw in manual_dir."
+  )
 
   def _info(self) -> tfds.core.DatasetInfo:
     return self.dataset_info_from_configs(
         description="Multi30k task 1 German-English translation of Flickr30k captions.",
-        features=tfds.features.FeaturesDict({"de": tfds.features.Text(),
-                                             "en": tfds.features.Text()}),
+        features=tfds.features.FeaturesDict(
+            {"de": tfds.features.Text(), "en": tfds.features.Text()}
+        ),
         supervised_keys=("de", "en"),
         disable_shuffling=True,  # record i is line i of the raw files, as published
         homepage="https://github.com/multi30k/dataset",
@@ -58,8 +60,10 @@ class Multi30k(tfds.core.GeneratorBasedBuilder):
       # Keep the .gz as is: _read_lines decompresses, so the cached file matches the manual one.
       downloaded = dl_manager.download({n: _URL + n for n in RAW_FILES})
       files = {n: os.fspath(p) for n, p in downloaded.items()}
-    return {split: self._generate_examples(files[f"{stem}.de.gz"], files[f"{stem}.en.gz"])
-            for split, stem in _SPLITS.items()}
+    return {
+        split: self._generate_examples(files[f"{stem}.de.gz"], files[f"{stem}.en.gz"])
+        for split, stem in _SPLITS.items()
+    }
 
   def _generate_examples(self, de_path: str, en_path: str):
     de, en = _read_lines(de_path), _read_lines(en_path)

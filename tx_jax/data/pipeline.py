@@ -24,7 +24,8 @@ from tx_jax.data import sources, tasks, tokenizers
 _CHUNKED = ("lm", "mlm", "span_corruption")
 # grain's packing names -> the batch contract's (ARCHITECTURE.md); other packing extras dropped.
 _PACKED_NAMES = {
-    "inputs_segment_ids": "segment_ids", "inputs_positions": "positions",
+    "inputs_segment_ids": "segment_ids",
+    "inputs_positions": "positions",
     "encoder_inputs_segment_ids": "encoder_segment_ids",
     "encoder_inputs_positions": "encoder_positions",
     "decoder_inputs_segment_ids": "decoder_segment_ids",
@@ -38,21 +39,28 @@ def validate(data_cfg: ml_collections.ConfigDict, process_count: int = 1) -> Non
     raise ValueError(f"data.task={data_cfg.task!r}; accepted: {', '.join(tasks.TASKS)}")
   if data_cfg.source not in sources.SOURCES:
     raise ValueError(f"data.source={data_cfg.source!r}; accepted: {', '.join(sources.SOURCES)}")
-  length_fields = (("source_len", "target_len") if data_cfg.task in ("seq2seq", "span_corruption")
-                   else ("seq_len",))
+  length_fields = (
+      ("source_len", "target_len")
+      if data_cfg.task in ("seq2seq", "span_corruption")
+      else ("seq_len",)
+  )
   for field in length_fields:
     if data_cfg[field] <= 0:
       raise ValueError(f"data.{field}={data_cfg[field]} must be > 0")
   for field in ("global_batch_size", "eval_global_batch_size"):
     if data_cfg[field] <= 0 or data_cfg[field] % process_count:
-      raise ValueError(f"data.{field}={data_cfg[field]} must be a positive multiple of the "
-                       f"process count {process_count}")
+      raise ValueError(
+          f"data.{field}={data_cfg[field]} must be a positive multiple of the "
+          f"process count {process_count}"
+      )
   num_shards = input_shards(data_cfg, process_count)
   if num_shards <= 0 or num_shards % process_count or data_cfg.global_batch_size % num_shards:
-    raise ValueError(f"data.num_shards={data_cfg.num_shards} gives {num_shards} input shards; "
-                     f"accepted: -1 (one per process) or a positive multiple of the process "
-                     f"count {process_count} that divides data.global_batch_size="
-                     f"{data_cfg.global_batch_size}")
+    raise ValueError(
+        f"data.num_shards={data_cfg.num_shards} gives {num_shards} input shards; "
+        f"accepted: -1 (one per process) or a positive multiple of the process "
+        f"count {process_count} that divides data.global_batch_size="
+        f"{data_cfg.global_batch_size}"
+    )
   if data_cfg.num_epochs is not None and data_cfg.num_epochs <= 0:
     raise ValueError(f"data.num_epochs={data_cfg.num_epochs}; accepted: None (repeat) or > 0")
   if not 0 <= data_cfg.shuffle_seed < 2**32:
@@ -65,72 +73,114 @@ def validate(data_cfg: ml_collections.ConfigDict, process_count: int = 1) -> Non
       raise ValueError(f"data.{field}={data_cfg[field]} must be >= 0")
   if data_cfg.task == "mlm":
     if data_cfg.seq_len < 3:
-      raise ValueError(f"data.seq_len={data_cfg.seq_len} leaves no room for MLM text "
-                       "after [CLS]/[SEP]")
+      raise ValueError(
+          f"data.seq_len={data_cfg.seq_len} leaves no room for MLM text " "after [CLS]/[SEP]"
+      )
     fractions = (data_cfg.mlm_probability, data_cfg.mlm_mask_fraction, data_cfg.mlm_random_fraction)
     if not (0 < fractions[0] <= 1 and min(fractions[1:]) >= 0 and sum(fractions[1:]) <= 1):
-      raise ValueError(f"data.mlm_probability / mlm_mask_fraction / mlm_random_fraction={fractions}"
-                       "; need 0 < p <= 1, fractions >= 0 summing to <= 1")
+      raise ValueError(
+          f"data.mlm_probability / mlm_mask_fraction / mlm_random_fraction={fractions}"
+          "; need 0 < p <= 1, fractions >= 0 summing to <= 1"
+      )
   if data_cfg.task == "span_corruption":
     if not 0 < data_cfg.noise_density < 1 or data_cfg.mean_noise_span_length < 1:
-      raise ValueError(f"data.noise_density={data_cfg.noise_density} must be in (0, 1) and "
-                       f"data.mean_noise_span_length={data_cfg.mean_noise_span_length} >= 1")
-    _, needed = tasks.span_corruption_lengths(data_cfg.source_len, data_cfg.noise_density,
-                                              data_cfg.mean_noise_span_length)
+      raise ValueError(
+          f"data.noise_density={data_cfg.noise_density} must be in (0, 1) and "
+          f"data.mean_noise_span_length={data_cfg.mean_noise_span_length} >= 1"
+      )
+    _, needed = tasks.span_corruption_lengths(
+        data_cfg.source_len, data_cfg.noise_density, data_cfg.mean_noise_span_length
+    )
     if needed > data_cfg.target_len:
-      raise ValueError(f"data.target_len={data_cfg.target_len} is shorter than the {needed} "
-                       f"targets that data.source_len={data_cfg.source_len} corrupts into")
+      raise ValueError(
+          f"data.target_len={data_cfg.target_len} is shorter than the {needed} "
+          f"targets that data.source_len={data_cfg.source_len} corrupts into"
+      )
 
 
 def lengths(data_cfg: ml_collections.ConfigDict) -> dict[str, int]:
   """Row length of every sequence feature the task produces."""
   if data_cfg.task in ("seq2seq", "span_corruption"):
-    return {"encoder_inputs": data_cfg.source_len, "decoder_inputs": data_cfg.target_len,
-            "targets": data_cfg.target_len, "weights": data_cfg.target_len}
-  names = {"lm": ("inputs", "targets", "weights"),
-           "mlm": ("inputs", "targets", "weights", "token_type_ids"),
-           "classification": ("inputs", "token_type_ids")}[data_cfg.task]
+    return {
+        "encoder_inputs": data_cfg.source_len,
+        "decoder_inputs": data_cfg.target_len,
+        "targets": data_cfg.target_len,
+        "weights": data_cfg.target_len,
+    }
+  names = {
+      "lm": ("inputs", "targets", "weights"),
+      "mlm": ("inputs", "targets", "weights", "token_type_ids"),
+      "classification": ("inputs", "token_type_ids"),
+  }[data_cfg.task]
   return {name: data_cfg.seq_len for name in names}
 
 
-def record_to_examples(record: dict, *, data_cfg: ml_collections.ConfigDict,
-                       tok: tokenizers.Tokenizer) -> list[dict[str, Any]]:
+def record_to_examples(
+    record: dict, *, data_cfg: ml_collections.ConfigDict, tok: tokenizers.Tokenizer
+) -> list[dict[str, Any]]:
   """One record -> its deterministic task examples (mlm / span keep raw ids for the random step)."""
   task = data_cfg.task
   if task == "lm":
     return tasks.lm_examples(tok.encode(record["text"]) + [tok.eos_id], data_cfg.seq_len)
   if task == "mlm":
     pieces = tasks.chunk(tok.encode(record["text"]), data_cfg.seq_len - 2)
-    return [{"ids": np.concatenate([[tok.cls_id], p, [tok.sep_id]]).astype(np.int32)}
-            for p in pieces if len(p)]
+    return [
+        {"ids": np.concatenate([[tok.cls_id], p, [tok.sep_id]]).astype(np.int32)}
+        for p in pieces
+        if len(p)
+    ]
   if task == "span_corruption":
-    raw_len, _ = tasks.span_corruption_lengths(data_cfg.source_len, data_cfg.noise_density,
-                                               data_cfg.mean_noise_span_length)
+    raw_len, _ = tasks.span_corruption_lengths(
+        data_cfg.source_len, data_cfg.noise_density, data_cfg.mean_noise_span_length
+    )
     return [{"ids": p} for p in tasks.chunk(tok.encode(record["text"]), raw_len) if len(p)]
   if task == "seq2seq":
     src = tasks.truncate_eos(tok.encode(record["source"]), data_cfg.source_len, tok.eos_id)
     tgt = tasks.truncate_eos(tok.encode(record["target"]), data_cfg.target_len, tok.eos_id)
     return [tasks.seq2seq_example(src, tgt, tok.decoder_start_id)]
   pair = tok.encode(record["text_pair"]) if "text_pair" in record else None
-  return [tasks.classification_example(tok.encode(record["text"]), pair, record["label"],
-                                       seq_len=data_cfg.seq_len, cls_id=tok.cls_id,
-                                       sep_id=tok.sep_id)]
+  return [
+      tasks.classification_example(
+          tok.encode(record["text"]),
+          pair,
+          record["label"],
+          seq_len=data_cfg.seq_len,
+          cls_id=tok.cls_id,
+          sep_id=tok.sep_id,
+      )
+  ]
 
 
-def random_step(example: dict, rng: np.random.Generator, *, data_cfg: ml_collections.ConfigDict,
-                tok: tokenizers.Tokenizer, regular_ids: np.ndarray) -> dict[str, np.ndarray]:
+def random_step(
+    example: dict,
+    rng: np.random.Generator,
+    *,
+    data_cfg: ml_collections.ConfigDict,
+    tok: tokenizers.Tokenizer,
+    regular_ids: np.ndarray,
+) -> dict[str, np.ndarray]:
   """The seeded part of a task: MLM masking or span corruption; identity otherwise."""
   if data_cfg.task == "mlm":
     return tasks.mlm_example(
-        example["ids"], rng, mask_id=tok.mask_id, special_ids=tok.special_ids,
-        regular_ids=regular_ids, probability=data_cfg.mlm_probability,
-        mask_fraction=data_cfg.mlm_mask_fraction, random_fraction=data_cfg.mlm_random_fraction)
+        example["ids"],
+        rng,
+        mask_id=tok.mask_id,
+        special_ids=tok.special_ids,
+        regular_ids=regular_ids,
+        probability=data_cfg.mlm_probability,
+        mask_fraction=data_cfg.mlm_mask_fraction,
+        random_fraction=data_cfg.mlm_random_fraction,
+    )
   if data_cfg.task == "span_corruption":
     return tasks.span_corruption_example(
-        example["ids"], rng, noise_density=data_cfg.noise_density,
+        example["ids"],
+        rng,
+        noise_density=data_cfg.noise_density,
         mean_noise_span_length=data_cfg.mean_noise_span_length,
         sentinel_ids=[tok.sentinel_id(i) for i in range(tok.num_sentinels)],
-        eos_id=tok.eos_id, decoder_start_id=tok.decoder_start_id)
+        eos_id=tok.eos_id,
+        decoder_start_id=tok.decoder_start_id,
+    )
   return example
 
 
@@ -150,7 +200,7 @@ def pad_example(example: dict, row_lengths: dict[str, int]) -> dict[str, np.ndar
       out[key] = value
       continue
     row = np.zeros(row_lengths[key], value.dtype)
-    row[:len(value)] = value
+    row[: len(value)] = value
     out[key] = row
     names = _segment_names(key)
     if names:
@@ -160,8 +210,11 @@ def pad_example(example: dict, row_lengths: dict[str, int]) -> dict[str, np.ndar
 
 
 def _rename_packed(row: dict) -> dict:
-  return {_PACKED_NAMES.get(k, k): v for k, v in row.items()
-          if k in _PACKED_NAMES or not k.endswith(("_segment_ids", "_positions"))}
+  return {
+      _PACKED_NAMES.get(k, k): v
+      for k, v in row.items()
+      if k in _PACKED_NAMES or not k.endswith(("_segment_ids", "_positions"))
+  }
 
 
 class _Flatten(grain.experimental.FlatMapTransform):
@@ -175,8 +228,10 @@ class _Flatten(grain.experimental.FlatMapTransform):
 
 def _regular_ids(data_cfg, tok) -> np.ndarray:
   if data_cfg.task == "mlm" and tok.mask_id is None:
-    raise ValueError(f"data.task='mlm' needs a [MASK] id but data.spm_model_path="
-                     f"{data_cfg.spm_model_path!r} has no '[MASK]' / '<mask>' piece")
+    raise ValueError(
+        f"data.task='mlm' needs a [MASK] id but data.spm_model_path="
+        f"{data_cfg.spm_model_path!r} has no '[MASK]' / '<mask>' piece"
+    )
   return tok.regular_ids() if data_cfg.task == "mlm" else np.zeros(0, np.int32)
 
 
@@ -193,8 +248,12 @@ def input_shards(data_cfg: ml_collections.ConfigDict, process_count: int) -> int
   return process_count if data_cfg.num_shards == -1 else data_cfg.num_shards
 
 
-def build_train_iterator(config: ml_collections.ConfigDict, *, process_index: int | None = None,
-                         process_count: int | None = None) -> grain.DatasetIterator:
+def build_train_iterator(
+    config: ml_collections.ConfigDict,
+    *,
+    process_index: int | None = None,
+    process_count: int | None = None,
+) -> grain.DatasetIterator:
   """This process's infinite (or num_epochs) iterator of training batches; checkpointable state.
 
   The global batch is the concatenation of `data.num_shards` independent streams, stream s
@@ -207,20 +266,28 @@ def build_train_iterator(config: ml_collections.ConfigDict, *, process_index: in
   num_shards = input_shards(data_cfg, process_count)
   records = sources.build_source(data_cfg, data_cfg.train_split)
   if len(records) < num_shards:
-    raise ValueError(f"split {data_cfg.train_split!r} (data.train_split) has {len(records)} "
-                     f"records, fewer than the {num_shards} input shards reading it")
+    raise ValueError(
+        f"split {data_cfg.train_split!r} (data.train_split) has {len(records)} "
+        f"records, fewer than the {num_shards} input shards reading it"
+    )
   per_process = num_shards // process_count
   mine = range(process_index * per_process, (process_index + 1) * per_process)
   streams = [_shard_stream(data_cfg, records, s, num_shards) for s in mine]
-  ds = streams[0] if len(streams) == 1 else grain.experimental.ZipIterDataset(streams).map(
-      lambda batches: {k: np.concatenate([b[k] for b in batches]) for k in batches[0]})
+  ds = (
+      streams[0]
+      if len(streams) == 1
+      else grain.experimental.ZipIterDataset(streams).map(
+          lambda batches: {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+      )
+  )
   if data_cfg.worker_count > 0:
     ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=data_cfg.worker_count))
   return iter(ds)
 
 
-def _shard_stream(data_cfg: ml_collections.ConfigDict, records, shard: int,
-                  num_shards: int) -> grain.IterDataset:
+def _shard_stream(
+    data_cfg: ml_collections.ConfigDict, records, shard: int, num_shards: int
+) -> grain.IterDataset:
   """Batches of global_batch_size / num_shards rows from records[shard::num_shards]."""
   tok = tokenizers.build_tokenizer(data_cfg)
   regular_ids = _regular_ids(data_cfg, tok)
@@ -232,19 +299,26 @@ def _shard_stream(data_cfg: ml_collections.ConfigDict, records, shard: int,
   to_examples = functools.partial(record_to_examples, data_cfg=data_cfg, tok=tok)
   chunked = data_cfg.task in _CHUNKED
   ds = ds.map(to_examples if chunked else lambda record: to_examples(record)[0])
-  ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=data_cfg.read_threads,
-                                            prefetch_buffer_size=data_cfg.prefetch_buffer_size))
+  ds = ds.to_iter_dataset(
+      grain.ReadOptions(
+          num_threads=data_cfg.read_threads, prefetch_buffer_size=data_cfg.prefetch_buffer_size
+      )
+  )
   if chunked:  # a document's chunks, window-shuffled: they would otherwise arrive in text order
     ds = grain.experimental.FlatMapIterDataset(ds, _Flatten())
-    ds = grain.experimental.WindowShuffleIterDataset(ds, window_size=data_cfg.lm_shuffle_window,
-                                                     seed=seed)
+    ds = grain.experimental.WindowShuffleIterDataset(
+        ds, window_size=data_cfg.lm_shuffle_window, seed=seed
+    )
   if data_cfg.task in ("mlm", "span_corruption"):
-    ds = ds.random_map(functools.partial(random_step, data_cfg=data_cfg, tok=tok,
-                                         regular_ids=regular_ids), seed=seed)
+    ds = ds.random_map(
+        functools.partial(random_step, data_cfg=data_cfg, tok=tok, regular_ids=regular_ids),
+        seed=seed,
+    )
   row_lengths = lengths(data_cfg)
   if data_cfg.pack and data_cfg.task != "classification":
     ds = grain.experimental.FirstFitPackIterDataset(
-        ds, length_struct=row_lengths, num_packing_bins=shard_batch, shuffle_bins=False)
+        ds, length_struct=row_lengths, num_packing_bins=shard_batch, shuffle_bins=False
+    )
     ds = ds.map(_rename_packed)
   else:
     ds = ds.map(functools.partial(pad_example, row_lengths=row_lengths))
@@ -257,7 +331,8 @@ def _eval_rows(data_cfg, split: str) -> list[dict[str, np.ndarray]]:
   regular_ids = _regular_ids(data_cfg, tok)
   records = sources.build_source(data_cfg, split)
   ds = grain.MapDataset.source(records).map(
-      functools.partial(record_to_examples, data_cfg=data_cfg, tok=tok))
+      functools.partial(record_to_examples, data_cfg=data_cfg, tok=tok)
+  )
   examples = [ex for exs in ds for ex in exs]
   row_lengths = lengths(data_cfg)
   rows = []
@@ -270,9 +345,13 @@ def _eval_rows(data_cfg, split: str) -> list[dict[str, np.ndarray]]:
   return rows
 
 
-def build_eval_batches(config: ml_collections.ConfigDict, split: str, *,
-                       process_index: int | None = None,
-                       process_count: int | None = None) -> list[dict[str, np.ndarray]]:
+def build_eval_batches(
+    config: ml_collections.ConfigDict,
+    split: str,
+    *,
+    process_index: int | None = None,
+    process_count: int | None = None,
+) -> list[dict[str, np.ndarray]]:
   """This process's finite, deterministic eval batches; padding rows have weights 0.
 
   Rows are the split's examples in source order, unpacked; process p takes rows
@@ -288,8 +367,10 @@ def build_eval_batches(config: ml_collections.ConfigDict, split: str, *,
   mine = rows[process_index::process_count]
   blank = jax.tree.map(np.zeros_like, rows[0])  # weight 0, segment 0: counts for nothing
   mine += [blank] * (num_batches * local_batch - len(mine))
-  return [jax.tree.map(lambda *xs: np.stack(xs), *mine[b * local_batch:(b + 1) * local_batch])
-          for b in range(num_batches)]
+  return [
+      jax.tree.map(lambda *xs: np.stack(xs), *mine[b * local_batch : (b + 1) * local_batch])
+      for b in range(num_batches)
+  ]
 
 
 def eval_examples(config: ml_collections.ConfigDict, split: str) -> list[tuple[str, str]]:
@@ -307,8 +388,9 @@ def eval_examples(config: ml_collections.ConfigDict, split: str) -> list[tuple[s
   return [(r["text"], r["text"]) for r in records]
 
 
-def make_global_batch(local_batch: dict, mesh: jax.sharding.Mesh,
-                      data_axes: str | Sequence[str]) -> dict[str, jax.Array]:
+def make_global_batch(
+    local_batch: dict, mesh: jax.sharding.Mesh, data_axes: str | Sequence[str]
+) -> dict[str, jax.Array]:
   """Per-process batches -> global jax.Arrays, leading axis sharded over the mesh's data axes."""
   axes = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
   unknown = [a for a in axes if a not in mesh.shape]
@@ -317,7 +399,9 @@ def make_global_batch(local_batch: dict, mesh: jax.sharding.Mesh,
   shards = math.prod(mesh.shape[a] for a in axes)
   global_rows = next(iter(jax.tree.leaves(local_batch))).shape[0] * jax.process_count()
   if global_rows % shards:
-    raise ValueError(f"global batch {global_rows} rows does not divide over data axes {axes} "
-                     f"({shards} shards); change data.global_batch_size")
+    raise ValueError(
+        f"global batch {global_rows} rows does not divide over data axes {axes} "
+        f"({shards} shards); change data.global_batch_size"
+    )
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axes))
   return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), local_batch)

@@ -64,8 +64,9 @@ def _check_features(data_cfg, available: Sequence[str], what: str) -> dict[str, 
   for std, field in _task_keys(data_cfg).items():
     name = data_cfg[field]
     if name not in available:
-      raise KeyError(f"data.{field}={name!r} is not a feature of {what}; "
-                     f"available: {sorted(available)}")
+      raise KeyError(
+          f"data.{field}={name!r} is not a feature of {what}; " f"available: {sorted(available)}"
+      )
     keys[std] = name
   return keys
 
@@ -78,21 +79,27 @@ def tfds_source(data_cfg: ml_collections.ConfigDict, split: str, builder=None) -
     if not data_cfg.tfds_name:
       raise ValueError("data.tfds_name is empty; set a TFDS name such as 'tiny_shakespeare'")
     try:
-      builder = tfds.builder(data_cfg.tfds_name, data_dir=data_cfg.tfds_data_dir,
-                             file_format="array_record")
+      builder = tfds.builder(
+          data_cfg.tfds_name, data_dir=data_cfg.tfds_data_dir, file_format="array_record"
+      )
     except tfds.core.registered.DatasetNotFoundError as e:
-      raise ValueError(f"data.tfds_name={data_cfg.tfds_name!r} is not a TFDS data set "
-                       f"({str(e).splitlines()[0]})") from e
+      raise ValueError(
+          f"data.tfds_name={data_cfg.tfds_name!r} is not a TFDS data set "
+          f"({str(e).splitlines()[0]})"
+      ) from e
   features = builder.info.features
   keys = _check_features(data_cfg, list(features.keys()), f"TFDS {builder.name!r}")
   builder.download_and_prepare(
       file_format="array_record",
-      download_config=tfds.download.DownloadConfig(manual_dir=data_cfg.manual_dir))
+      download_config=tfds.download.DownloadConfig(manual_dir=data_cfg.manual_dir),
+  )
   known = list(builder.info.splits.keys())
   base = split.split("[")[0]
   if known and base not in known:
-    raise ValueError(f"split {split!r} (data.train_split / train.eval_split) is not a split of "
-                     f"{builder.name!r}; available: {sorted(known)}")
+    raise ValueError(
+        f"split {split!r} (data.train_split / train.eval_split) is not a split of "
+        f"{builder.name!r}; available: {sorted(known)}"
+    )
   return KeyedSource(builder.as_data_source(split=split), keys)
 
 
@@ -101,11 +108,14 @@ def multi30k_source(data_cfg: ml_collections.ConfigDict, split: str) -> KeyedSou
   from tx_jax.data import multi30k
 
   if data_cfg.manual_dir:
-    missing = [n for n in multi30k.RAW_FILES
-               if not os.path.isfile(os.path.join(data_cfg.manual_dir, n))]
+    missing = [
+        n for n in multi30k.RAW_FILES if not os.path.isfile(os.path.join(data_cfg.manual_dir, n))
+    ]
     if missing:
-      raise FileNotFoundError(f"data.manual_dir={data_cfg.manual_dir!r} lacks Multi30k files "
-                              f"{missing}; it needs {list(multi30k.RAW_FILES)}")
+      raise FileNotFoundError(
+          f"data.manual_dir={data_cfg.manual_dir!r} lacks Multi30k files "
+          f"{missing}; it needs {list(multi30k.RAW_FILES)}"
+      )
   builder = multi30k.Multi30k(data_dir=data_cfg.tfds_data_dir, file_format="array_record")
   return tfds_source(data_cfg, split, builder=builder)
 
@@ -135,11 +145,14 @@ class TextFileSource(KeyedSource):
   def __init__(self, data_cfg: ml_collections.ConfigDict, split: str):
     field = _files_field(split, data_cfg.train_split)
     if data_cfg.task in ("seq2seq", "classification"):
-      raise ValueError(f"data.source='text_files' gives plain text; data.task={data_cfg.task!r} "
-                       "needs columns: use data.source='tsv'")
+      raise ValueError(
+          f"data.source='text_files' gives plain text; data.task={data_cfg.task!r} "
+          "needs columns: use data.source='tsv'"
+      )
     if data_cfg.text_files_document not in ("line", "file"):
-      raise ValueError(f"data.text_files_document={data_cfg.text_files_document!r}; "
-                       "accepted: 'line', 'file'")
+      raise ValueError(
+          f"data.text_files_document={data_cfg.text_files_document!r}; " "accepted: 'line', 'file'"
+      )
     texts = []
     for path in _expand_files(data_cfg[field], field):
       with open(path, encoding="utf-8") as f:
@@ -181,25 +194,33 @@ class SyntheticSource(Sequence):
 
   def __init__(self, data_cfg: ml_collections.ConfigDict, split: str):
     if split not in self.SPLITS:
-      raise ValueError(f"synthetic split {split!r} (data.train_split / train.eval_split); "
-                       f"accepted: {sorted(self.SPLITS)}")
+      raise ValueError(
+          f"synthetic split {split!r} (data.train_split / train.eval_split); "
+          f"accepted: {sorted(self.SPLITS)}"
+      )
     if data_cfg.synthetic_task not in ("reverse", "copy"):
-      raise ValueError(f"data.synthetic_task={data_cfg.synthetic_task!r}; "
-                       "accepted: 'reverse', 'copy'")
+      raise ValueError(
+          f"data.synthetic_task={data_cfg.synthetic_task!r}; " "accepted: 'reverse', 'copy'"
+      )
     if not 1 <= data_cfg.synthetic_min_len <= data_cfg.synthetic_max_len:
-      raise ValueError(f"data.synthetic_min_len={data_cfg.synthetic_min_len} and "
-                       f"data.synthetic_max_len={data_cfg.synthetic_max_len} need 1 <= min <= max")
+      raise ValueError(
+          f"data.synthetic_min_len={data_cfg.synthetic_min_len} and "
+          f"data.synthetic_max_len={data_cfg.synthetic_max_len} need 1 <= min <= max"
+      )
     if not 0 < data_cfg.synthetic_heldout_percent < 100:
-      raise ValueError(f"data.synthetic_heldout_percent={data_cfg.synthetic_heldout_percent}; "
-                       "accepted: 1..99")
+      raise ValueError(
+          f"data.synthetic_heldout_percent={data_cfg.synthetic_heldout_percent}; " "accepted: 1..99"
+      )
     if not data_cfg.synthetic_alphabet:
       raise ValueError("data.synthetic_alphabet is empty")
     self._cfg = data_cfg
     self._split = self.SPLITS[split]
     self._size = data_cfg.synthetic_train_size if split == "train" else data_cfg.synthetic_eval_size
     if self._size <= 0:
-      raise ValueError(f"synthetic split {split!r} has size {self._size}; set "
-                       "data.synthetic_train_size / data.synthetic_eval_size > 0")
+      raise ValueError(
+          f"synthetic split {split!r} has size {self._size}; set "
+          "data.synthetic_train_size / data.synthetic_eval_size > 0"
+      )
     self._alphabet = data_cfg.synthetic_alphabet
 
   def __len__(self) -> int:
@@ -226,8 +247,7 @@ class SyntheticSource(Sequence):
     s = self.string(index)
     target = s[::-1] if self._cfg.synthetic_task == "reverse" else s
     # "text"/"label" let the lm / mlm / classification tasks smoke-test on it too.
-    return {"source": s, "target": target, "text": f"{s}={target}",
-            "label": int(s[0] <= s[-1])}
+    return {"source": s, "target": target, "text": f"{s}={target}", "label": int(s[0] <= s[-1])}
 
 
 def build_source(data_cfg: ml_collections.ConfigDict, split: str) -> Sequence[dict]:

@@ -24,7 +24,7 @@ def chunk(ids: Sequence[int], length: int, overlap: int = 0) -> list[np.ndarray]
   ids = _i32(ids)
   step = length - overlap
   n = max(1, -(-(len(ids) - overlap) // step))
-  return [ids[i * step:i * step + length] for i in range(n)]
+  return [ids[i * step : i * step + length] for i in range(n)]
 
 
 def lm_examples(ids: Sequence[int], seq_len: int) -> list[dict[str, np.ndarray]]:
@@ -36,14 +36,27 @@ def lm_examples(ids: Sequence[int], seq_len: int) -> list[dict[str, np.ndarray]]
   out = []
   for piece in chunk(ids, seq_len + 1, overlap=1):
     if len(piece) >= 2:
-      out.append({"inputs": piece[:-1], "targets": piece[1:],
-                  "weights": np.ones(len(piece) - 1, np.float32)})
+      out.append(
+          {
+              "inputs": piece[:-1],
+              "targets": piece[1:],
+              "weights": np.ones(len(piece) - 1, np.float32),
+          }
+      )
   return out
 
 
-def mlm_example(ids: Sequence[int], rng: np.random.Generator, *, mask_id: int,
-                special_ids: frozenset[int], regular_ids: np.ndarray, probability: float,
-                mask_fraction: float, random_fraction: float) -> dict[str, np.ndarray]:
+def mlm_example(
+    ids: Sequence[int],
+    rng: np.random.Generator,
+    *,
+    mask_id: int,
+    special_ids: frozenset[int],
+    regular_ids: np.ndarray,
+    probability: float,
+    mask_fraction: float,
+    random_fraction: float,
+) -> dict[str, np.ndarray]:
   """BERT masking: round(p * n) non-special tokens are selected (at least one);
 
   of those, mask_fraction become [MASK], random_fraction a random regular token
@@ -57,11 +70,18 @@ def mlm_example(ids: Sequence[int], rng: np.random.Generator, *, mask_id: int,
     chosen = rng.choice(eligible, size=n, replace=False)
     u = rng.random(n)
     replace = rng.choice(regular_ids, size=n)
-    inputs[chosen] = np.where(u < mask_fraction, mask_id,
-                              np.where(u < mask_fraction + random_fraction, replace, ids[chosen]))
+    inputs[chosen] = np.where(
+        u < mask_fraction,
+        mask_id,
+        np.where(u < mask_fraction + random_fraction, replace, ids[chosen]),
+    )
     weights[chosen] = 1.0
-  return {"inputs": inputs, "targets": ids, "weights": weights,
-          "token_type_ids": np.zeros(len(ids), np.int32)}
+  return {
+      "inputs": inputs,
+      "targets": ids,
+      "weights": weights,
+      "token_type_ids": np.zeros(len(ids), np.int32),
+  }
 
 
 def _random_segmentation(num_items: int, num_segments: int, rng: np.random.Generator) -> np.ndarray:
@@ -73,8 +93,9 @@ def _random_segmentation(num_items: int, num_segments: int, rng: np.random.Gener
   return np.bincount(segment_id, minlength=num_segments)
 
 
-def random_spans_noise_mask(length: int, noise_density: float, mean_noise_span_length: float,
-                            rng: np.random.Generator) -> np.ndarray:
+def random_spans_noise_mask(
+    length: int, noise_density: float, mean_noise_span_length: float, rng: np.random.Generator
+) -> np.ndarray:
   """T5's random_spans_noise_mask: bool[length], noise spans alternate with kept spans."""
   orig_length = length
   length = max(length, 2)  # T5: a span needs one noise and one kept token
@@ -92,8 +113,9 @@ def random_spans_noise_mask(length: int, noise_density: float, mean_noise_span_l
   return is_noise[:orig_length]
 
 
-def span_corruption_lengths(source_len: int, noise_density: float,
-                            mean_noise_span_length: float) -> tuple[int, int]:
+def span_corruption_lengths(
+    source_len: int, noise_density: float, mean_noise_span_length: float
+) -> tuple[int, int]:
   """T5's random_spans_helper: (raw tokens per example, target length) for `source_len` inputs."""
 
   def lengths(tokens_length: int) -> tuple[int, int]:
@@ -107,9 +129,16 @@ def span_corruption_lengths(source_len: int, noise_density: float,
   return tokens_length, lengths(tokens_length)[1]
 
 
-def span_corruption_example(ids: Sequence[int], rng: np.random.Generator, *, noise_density: float,
-                            mean_noise_span_length: float, sentinel_ids: Sequence[int],
-                            eos_id: int, decoder_start_id: int) -> dict[str, np.ndarray]:
+def span_corruption_example(
+    ids: Sequence[int],
+    rng: np.random.Generator,
+    *,
+    noise_density: float,
+    mean_noise_span_length: float,
+    sentinel_ids: Sequence[int],
+    eos_id: int,
+    decoder_start_id: int,
+) -> dict[str, np.ndarray]:
   """T5 span corruption: each noise span becomes one sentinel in the inputs; targets list
 
   sentinel + span for every span. Sentinel k is sentinel_ids[k] (top of vocabulary down).
@@ -120,8 +149,10 @@ def span_corruption_example(ids: Sequence[int], rng: np.random.Generator, *, noi
   first_noise = noise & ~np.concatenate([[False], noise[:-1]])
   span_index = np.cumsum(first_noise) - 1  # k for tokens of the k-th noise span
   if span_index.max(initial=-1) >= len(sentinel_ids):
-    raise ValueError(f"span corruption needs {span_index.max() + 1} sentinels but "
-                     f"data.num_sentinels={len(sentinel_ids)}")
+    raise ValueError(
+        f"span corruption needs {span_index.max() + 1} sentinels but "
+        f"data.num_sentinels={len(sentinel_ids)}"
+    )
   sentinels = _i32(sentinel_ids)
   # Inputs: kept tokens, and a sentinel in place of each noise span's first token.
   keep_in = ~noise | first_noise
@@ -137,22 +168,33 @@ def span_corruption_example(ids: Sequence[int], rng: np.random.Generator, *, noi
   return seq2seq_example(np.append(inputs, eos_id), targets, decoder_start_id)
 
 
-def seq2seq_example(encoder_ids: Sequence[int], target_ids: Sequence[int],
-                    decoder_start_id: int) -> dict[str, np.ndarray]:
+def seq2seq_example(
+    encoder_ids: Sequence[int], target_ids: Sequence[int], decoder_start_id: int
+) -> dict[str, np.ndarray]:
   """Encoder ids and eos-terminated targets -> the seq2seq contract (decoder inputs shift right)."""
   targets = _i32(target_ids)
-  return {"encoder_inputs": _i32(encoder_ids), "targets": targets,
-          "decoder_inputs": np.concatenate([_i32([decoder_start_id]), targets[:-1]]),
-          "weights": np.ones(len(targets), np.float32)}
+  return {
+      "encoder_inputs": _i32(encoder_ids),
+      "targets": targets,
+      "decoder_inputs": np.concatenate([_i32([decoder_start_id]), targets[:-1]]),
+      "weights": np.ones(len(targets), np.float32),
+  }
 
 
 def truncate_eos(ids: Sequence[int], max_len: int, eos_id: int) -> list[int]:
   """ids[:max_len - 1] + [eos]: length limits that keep the terminator."""
-  return list(ids[:max_len - 1]) + [eos_id]
+  return list(ids[: max_len - 1]) + [eos_id]
 
 
-def classification_example(ids_a: Sequence[int], ids_b: Sequence[int] | None, label: int, *,
-                           seq_len: int, cls_id: int, sep_id: int) -> dict[str, np.ndarray]:
+def classification_example(
+    ids_a: Sequence[int],
+    ids_b: Sequence[int] | None,
+    label: int,
+    *,
+    seq_len: int,
+    cls_id: int,
+    sep_id: int,
+) -> dict[str, np.ndarray]:
   """[CLS] a [SEP] (b [SEP]) with token types 0 / 1; the longer sentence is truncated first."""
   a, b = list(ids_a), list(ids_b) if ids_b is not None else None
   budget = seq_len - (3 if b is not None else 2)
@@ -168,5 +210,9 @@ def classification_example(ids_a: Sequence[int], ids_b: Sequence[int] | None, la
   if b is not None:
     inputs += [*b, sep_id]
     types += [1] * (len(b) + 1)
-  return {"inputs": _i32(inputs), "token_type_ids": _i32(types),
-          "labels": np.int32(label), "weights": np.float32(1.0)}
+  return {
+      "inputs": _i32(inputs),
+      "token_type_ids": _i32(types),
+      "labels": np.int32(label),
+      "weights": np.float32(1.0),
+  }

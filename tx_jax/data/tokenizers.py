@@ -91,7 +91,8 @@ class SentencePieceTokenizer:
     if not model_path or not os.path.isfile(model_path):
       raise FileNotFoundError(
           f"data.spm_model_path={model_path!r} is not a file; give a SentencePiece .model "
-          "file or train one with `python -m experiments.train_tokenizer --config=...`")
+          "file or train one with `python -m experiments.train_tokenizer --config=...`"
+      )
     if num_sentinels < 0:
       raise ValueError(f"data.num_sentinels must be >= 0, got {num_sentinels}")
     self.model_path = model_path
@@ -99,7 +100,8 @@ class SentencePieceTokenizer:
     if self._sp.pad_id() != 0:
       raise ValueError(
           f"data.spm_model_path={model_path!r} has pad id {self._sp.pad_id()}; tx_jax needs "
-          "pad id 0 (train with pad_id=0, as T5's and experiments.train_tokenizer's models do)")
+          "pad id 0 (train with pad_id=0, as T5's and experiments.train_tokenizer's models do)"
+      )
     self.num_sentinels = num_sentinels
     self.base_vocab_size = self._sp.get_piece_size()
     self.vocab_size = self.base_vocab_size + num_sentinels
@@ -107,13 +109,19 @@ class SentencePieceTokenizer:
     self.eos_id = self._sp.eos_id()
     self.bos_id = self._sp.bos_id() if self._sp.bos_id() >= 0 else None
     self.unk_id = self._sp.unk_id()
-    self.mask_id = next((self._sp.piece_to_id(p) for p in _MASK_PIECES
-                         if self._sp.piece_to_id(p) != self.unk_id), None)
+    self.mask_id = next(
+        (self._sp.piece_to_id(p) for p in _MASK_PIECES if self._sp.piece_to_id(p) != self.unk_id),
+        None,
+    )
 
   def __getstate__(self):
     # Pickled into grain worker processes: ship the model bytes, not the C++ object.
-    return {"proto": self._sp.serialized_model_proto(), "num_sentinels": self.num_sentinels,
-            "model_path": self.model_path, "mask_id": self.mask_id}
+    return {
+        "proto": self._sp.serialized_model_proto(),
+        "num_sentinels": self.num_sentinels,
+        "model_path": self.model_path,
+        "mask_id": self.mask_id,
+    }
 
   def __setstate__(self, state):
     self._sp = spm.SentencePieceProcessor(model_proto=state["proto"])
@@ -160,9 +168,13 @@ class SentencePieceTokenizer:
   @property
   def special_ids(self) -> frozenset[int]:
     """Control, unknown and user-defined pieces (pad, eos, bos, unk, [MASK]...)."""
-    return frozenset(i for i in range(self.base_vocab_size)
-                     if self._sp.is_control(i) or self._sp.is_unknown(i)
-                     or self._sp.id_to_piece(i) in _MASK_PIECES)
+    return frozenset(
+        i
+        for i in range(self.base_vocab_size)
+        if self._sp.is_control(i)
+        or self._sp.is_unknown(i)
+        or self._sp.id_to_piece(i) in _MASK_PIECES
+    )
 
   def sentinel_id(self, i: int) -> int:
     """T5 sentinel i (<extra_id_i>), counting down from the top of the vocabulary."""
@@ -188,8 +200,14 @@ def build_tokenizer(data_cfg: ml_collections.ConfigDict) -> Tokenizer:
   raise ValueError(f"data.tokenizer={data_cfg.tokenizer!r}; accepted: 'byte', 'sentencepiece'")
 
 
-def train_sentencepiece(texts: Iterable[str], model_prefix: str, *, vocab_size: int,
-                        model_type: str = "unigram", max_sentence_bytes: int = 4096) -> str:
+def train_sentencepiece(
+    texts: Iterable[str],
+    model_prefix: str,
+    *,
+    vocab_size: int,
+    model_type: str = "unigram",
+    max_sentence_bytes: int = 4096,
+) -> str:
   """Trains a SentencePiece model with tx_jax's id layout; returns the .model path.
 
   Long documents are fed line by line (SentencePiece skips sentences longer
@@ -207,10 +225,18 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: str, *, vocab_size: 
 
   os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
   spm.SentencePieceTrainer.train(
-      sentence_iterator=lines(), model_prefix=model_prefix, vocab_size=vocab_size,
-      model_type=model_type, pad_id=0, eos_id=1, bos_id=2, unk_id=3,
-      user_defined_symbols=["[MASK]"], character_coverage=1.0,
-      max_sentence_length=max_sentence_bytes * 4, hard_vocab_limit=False,
-      minloglevel=2)
+      sentence_iterator=lines(),
+      model_prefix=model_prefix,
+      vocab_size=vocab_size,
+      model_type=model_type,
+      pad_id=0,
+      eos_id=1,
+      bos_id=2,
+      unk_id=3,
+      user_defined_symbols=["[MASK]"],
+      character_coverage=1.0,
+      max_sentence_length=max_sentence_bytes * 4,
+      hard_vocab_limit=False,
+      minloglevel=2,
+  )
   return model_prefix + ".model"
-

@@ -36,81 +36,81 @@ NEG_INF = -1.0e7
 
 
 class BeamResult(NamedTuple):
-    """W hypotheses per row, best first; ids are 0 after each hypothesis' EOS."""
+  """W hypotheses per row, best first; ids are 0 after each hypothesis' EOS."""
 
-    tokens: jax.Array  # [B, W, N] int32
-    scores: jax.Array  # [B, W] float32, log P / lp(length); NEG_INF on empty slots
-    log_probs: jax.Array  # [B, W] float32, log P of the generated tokens
-    lengths: jax.Array  # [B, W] int32, generated tokens including the EOS
+  tokens: jax.Array  # [B, W, N] int32
+  scores: jax.Array  # [B, W] float32, log P / lp(length); NEG_INF on empty slots
+  log_probs: jax.Array  # [B, W] float32, log P of the generated tokens
+  lengths: jax.Array  # [B, W] int32, generated tokens including the EOS
 
 
 def length_penalty(length: jax.Array | int, alpha: float) -> jax.Array:
-    """GNMT length penalty ((5 + length) / 6) ** alpha."""
-    return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
+  """GNMT length penalty ((5 + length) / 6) ** alpha."""
+  return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
 
 
 class _Beams(NamedTuple):
-    i: jax.Array  # index of the next token to generate
-    alive_BWN: jax.Array
-    alive_logp_BW: jax.Array
-    fin_BWN: jax.Array
-    fin_scores_BW: jax.Array
-    fin_logp_BW: jax.Array
-    cache: Any
+  i: jax.Array  # index of the next token to generate
+  alive_BWN: jax.Array
+  alive_logp_BW: jax.Array
+  fin_BWN: jax.Array
+  fin_scores_BW: jax.Array
+  fin_logp_BW: jax.Array
+  cache: Any
 
 
 def _take(x_BK: jax.Array, idx_BJ: jax.Array) -> jax.Array:
-    """x[b, idx[b, j]] for arrays with any trailing axes."""
-    return jax.vmap(lambda x, i: x[i])(x_BK, idx_BJ)
+  """x[b, idx[b, j]] for arrays with any trailing axes."""
+  return jax.vmap(lambda x, i: x[i])(x_BK, idx_BJ)
 
 
 def gather_cache(cache: Any, flat_index: jax.Array) -> Any:
-    """Reorders every cache leaf with a leading batch axis; scalars (cache_index) stay."""
-    return jax.tree.map(lambda x: x[flat_index] if x.ndim else x, cache)
+  """Reorders every cache leaf with a leading batch axis; scalars (cache_index) stay."""
+  return jax.tree.map(lambda x: x[flat_index] if x.ndim else x, cache)
 
 
 def repeat_cache(cache: Any, beam_size: int) -> Any:
-    """Repeats every leaf with a leading batch axis beam_size times (row b -> rows bW..bW+W-1)."""
-    return jax.tree.map(lambda x: jnp.repeat(x, beam_size, axis=0) if x.ndim else x, cache)
+  """Repeats every leaf with a leading batch axis beam_size times (row b -> rows bW..bW+W-1)."""
+  return jax.tree.map(lambda x: jnp.repeat(x, beam_size, axis=0) if x.ndim else x, cache)
 
 
 def _update(
     s: _Beams, logp_BWV: jax.Array, *, beam_size: int, alpha: float, eos_id: int | None, n: int
 ) -> tuple[_Beams, jax.Array]:
-    """Extends the beams by one token given each alive beam's next-token log-probs."""
-    batch, w, vocab = logp_BWV.shape
-    cand_BC = (s.alive_logp_BW[:, :, None] + logp_BWV).reshape(batch, w * vocab)
-    k2 = min(2 * w, w * vocab)
-    top_logp_BK, top_idx_BK = jax.lax.top_k(cand_BC, k2)
-    parent_BK = top_idx_BK // vocab
-    token_BK = (top_idx_BK % vocab).astype(jnp.int32)
-    seqs_BKN = _take(s.alive_BWN, parent_BK)
-    seqs_BKN = jax.lax.dynamic_update_slice_in_dim(seqs_BKN, token_BK[:, :, None], s.i, axis=2)
-    is_eos_BK = token_BK == eos_id if eos_id is not None else jnp.zeros_like(token_BK, bool)
-    real_BK = top_logp_BK > NEG_INF / 2  # candidates grown from real (not padding) beams
-    in_top_w_K = jnp.arange(k2) < w
-    finishes_BK = (is_eos_BK | (s.i == n - 1)) & in_top_w_K & real_BK
+  """Extends the beams by one token given each alive beam's next-token log-probs."""
+  batch, w, vocab = logp_BWV.shape
+  cand_BC = (s.alive_logp_BW[:, :, None] + logp_BWV).reshape(batch, w * vocab)
+  k2 = min(2 * w, w * vocab)
+  top_logp_BK, top_idx_BK = jax.lax.top_k(cand_BC, k2)
+  parent_BK = top_idx_BK // vocab
+  token_BK = (top_idx_BK % vocab).astype(jnp.int32)
+  seqs_BKN = _take(s.alive_BWN, parent_BK)
+  seqs_BKN = jax.lax.dynamic_update_slice_in_dim(seqs_BKN, token_BK[:, :, None], s.i, axis=2)
+  is_eos_BK = token_BK == eos_id if eos_id is not None else jnp.zeros_like(token_BK, bool)
+  real_BK = top_logp_BK > NEG_INF / 2  # candidates grown from real (not padding) beams
+  in_top_w_K = jnp.arange(k2) < w
+  finishes_BK = (is_eos_BK | (s.i == n - 1)) & in_top_w_K & real_BK
 
-    alive_logp_BW, keep_BW = jax.lax.top_k(jnp.where(is_eos_BK, NEG_INF, top_logp_BK), w)
-    alive_BWN = _take(seqs_BKN, keep_BW)
-    parent_BW = _take(parent_BK, keep_BW)
+  alive_logp_BW, keep_BW = jax.lax.top_k(jnp.where(is_eos_BK, NEG_INF, top_logp_BK), w)
+  alive_BWN = _take(seqs_BKN, keep_BW)
+  parent_BW = _take(parent_BK, keep_BW)
 
-    scores_BK = jnp.where(finishes_BK, top_logp_BK / length_penalty(s.i + 1, alpha), NEG_INF)
-    all_scores = jnp.concatenate([s.fin_scores_BW, scores_BK], axis=1)
-    all_logp = jnp.concatenate([s.fin_logp_BW, top_logp_BK], axis=1)
-    all_seqs = jnp.concatenate([s.fin_BWN, seqs_BKN], axis=1)
-    # Earlier finished hypotheses come first, so ties keep them (top_k prefers lower indices).
-    fin_scores_BW, best_BW = jax.lax.top_k(all_scores, w)
-    fin_logp_BW = _take(all_logp, best_BW)
-    fin_BWN = _take(all_seqs, best_BW)
+  scores_BK = jnp.where(finishes_BK, top_logp_BK / length_penalty(s.i + 1, alpha), NEG_INF)
+  all_scores = jnp.concatenate([s.fin_scores_BW, scores_BK], axis=1)
+  all_logp = jnp.concatenate([s.fin_logp_BW, top_logp_BK], axis=1)
+  all_seqs = jnp.concatenate([s.fin_BWN, seqs_BKN], axis=1)
+  # Earlier finished hypotheses come first, so ties keep them (top_k prefers lower indices).
+  fin_scores_BW, best_BW = jax.lax.top_k(all_scores, w)
+  fin_logp_BW = _take(all_logp, best_BW)
+  fin_BWN = _take(all_seqs, best_BW)
 
-    flat = (jnp.arange(batch)[:, None] * w + parent_BW).reshape(-1)
-    cache = gather_cache(s.cache, flat)
-    # The best score an alive beam can still reach (exact bound for alpha >= 0).
-    bound_B = alive_logp_BW[:, 0] / length_penalty(n, alpha)
-    done_B = fin_scores_BW[:, -1] > bound_B
-    new = _Beams(s.i + 1, alive_BWN, alive_logp_BW, fin_BWN, fin_scores_BW, fin_logp_BW, cache)
-    return new, done_B
+  flat = (jnp.arange(batch)[:, None] * w + parent_BW).reshape(-1)
+  cache = gather_cache(s.cache, flat)
+  # The best score an alive beam can still reach (exact bound for alpha >= 0).
+  bound_B = alive_logp_BW[:, 0] / length_penalty(n, alpha)
+  done_B = fin_scores_BW[:, -1] > bound_B
+  new = _Beams(s.i + 1, alive_BWN, alive_logp_BW, fin_BWN, fin_scores_BW, fin_logp_BW, cache)
+  return new, done_B
 
 
 def beam_search(
@@ -125,49 +125,49 @@ def beam_search(
     eos_id: int | None,
     prefill_fn: StepFn | None = None,
 ) -> BeamResult:
-    """Beam search for the best log P / lp hypotheses; `cache` is allocated for batch B."""
-    check_beam(beam_size, alpha)
-    check_max_new_tokens(max_new_tokens)
-    batch = prompt.tokens.shape[0]
-    w, n = beam_size, max_new_tokens
-    update = lambda s, logp: _update(s, logp, beam_size=w, alpha=alpha, eos_id=eos_id, n=n)  # noqa: E731
+  """Beam search for the best log P / lp hypotheses; `cache` is allocated for batch B."""
+  check_beam(beam_size, alpha)
+  check_max_new_tokens(max_new_tokens)
+  batch = prompt.tokens.shape[0]
+  w, n = beam_size, max_new_tokens
+  update = lambda s, logp: _update(s, logp, beam_size=w, alpha=alpha, eos_id=eos_id, n=n)  # noqa: E731
 
-    logits_BV, cache = prefill(prefill_fn or step_fn, params, cache, prompt)
-    logp_BWV = jnp.broadcast_to(
-        jax.nn.log_softmax(logits_BV)[:, None], (batch, w, logits_BV.shape[-1])
+  logits_BV, cache = prefill(prefill_fn or step_fn, params, cache, prompt)
+  logp_BWV = jnp.broadcast_to(
+      jax.nn.log_softmax(logits_BV)[:, None], (batch, w, logits_BV.shape[-1])
+  )
+  # Only beam 0 is real at the start; the others would duplicate it.
+  alive_logp_BW = jnp.full((batch, w), NEG_INF, jnp.float32).at[:, 0].set(0.0)
+  zeros_BWN = jnp.zeros((batch, w, n), jnp.int32)
+  state = _Beams(
+      jnp.int32(0),
+      zeros_BWN,
+      alive_logp_BW,
+      zeros_BWN,
+      jnp.full((batch, w), NEG_INF, jnp.float32),
+      jnp.full((batch, w), NEG_INF, jnp.float32),
+      repeat_cache(cache, w),
+  )
+  state, done_B = update(state, logp_BWV)
+  positions_BW = jnp.repeat(jnp.asarray(prompt.lengths, jnp.int32), w)
+
+  def cond(carry):
+    s, done_B = carry
+    return (s.i < n) & ~jnp.all(done_B)
+
+  def body(carry):
+    s, _ = carry
+    last_BW1 = jax.lax.dynamic_slice_in_dim(s.alive_BWN, s.i - 1, 1, axis=2)
+    logits_BT1V, cache = step_fn(
+        params,
+        last_BW1.reshape(batch * w, 1),
+        (positions_BW + s.i - 1)[:, None],
+        jnp.ones((batch * w, 1), jnp.int32),
+        s.cache,
     )
-    # Only beam 0 is real at the start; the others would duplicate it.
-    alive_logp_BW = jnp.full((batch, w), NEG_INF, jnp.float32).at[:, 0].set(0.0)
-    zeros_BWN = jnp.zeros((batch, w, n), jnp.int32)
-    state = _Beams(
-        jnp.int32(0),
-        zeros_BWN,
-        alive_logp_BW,
-        zeros_BWN,
-        jnp.full((batch, w), NEG_INF, jnp.float32),
-        jnp.full((batch, w), NEG_INF, jnp.float32),
-        repeat_cache(cache, w),
-    )
-    state, done_B = update(state, logp_BWV)
-    positions_BW = jnp.repeat(jnp.asarray(prompt.lengths, jnp.int32), w)
+    logp_BWV = jax.nn.log_softmax(logits_BT1V[:, 0].astype(jnp.float32)).reshape(batch, w, -1)
+    return update(s._replace(cache=cache), logp_BWV)
 
-    def cond(carry):
-        s, done_B = carry
-        return (s.i < n) & ~jnp.all(done_B)
-
-    def body(carry):
-        s, _ = carry
-        last_BW1 = jax.lax.dynamic_slice_in_dim(s.alive_BWN, s.i - 1, 1, axis=2)
-        logits_BT1V, cache = step_fn(
-            params,
-            last_BW1.reshape(batch * w, 1),
-            (positions_BW + s.i - 1)[:, None],
-            jnp.ones((batch * w, 1), jnp.int32),
-            s.cache,
-        )
-        logp_BWV = jax.nn.log_softmax(logits_BT1V[:, 0].astype(jnp.float32)).reshape(batch, w, -1)
-        return update(s._replace(cache=cache), logp_BWV)
-
-    state, _ = jax.lax.while_loop(cond, body, (state, done_B))
-    lengths_BW = generated_lengths(state.fin_BWN, eos_id)
-    return BeamResult(state.fin_BWN, state.fin_scores_BW, state.fin_logp_BW, lengths_BW)
+  state, _ = jax.lax.while_loop(cond, body, (state, done_B))
+  lengths_BW = generated_lengths(state.fin_BWN, eos_id)
+  return BeamResult(state.fin_BWN, state.fin_scores_BW, state.fin_logp_BW, lengths_BW)

@@ -34,207 +34,314 @@ STRATEGIES = ("greedy", "sample", "beam")
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
-    """How tokens are chosen (the flags of experiments/decode.py); hashable, so jit-static."""
+  """How tokens are chosen (the flags of experiments/decode.py); hashable, so jit-static."""
 
-    name: str = "greedy"  # "greedy", "sample" or "beam"
-    max_new_tokens: int = 32  # tokens generated per row, EOS included
-    temperature: float = 1.0  # sample: logits / temperature
-    top_k: int = 0  # sample: keep the k most likely tokens (0 = all)
-    top_p: float = 1.0  # sample: keep the smallest set with mass >= top_p (1.0 = all)
-    beam_size: int = 4  # beam: hypotheses kept (the paper: 4)
-    alpha: float = 0.6  # beam: GNMT length penalty exponent (the paper: 0.6)
+  name: str = "greedy"  # "greedy", "sample" or "beam"
+  max_new_tokens: int = 32  # tokens generated per row, EOS included
+  temperature: float = 1.0  # sample: logits / temperature
+  top_k: int = 0  # sample: keep the k most likely tokens (0 = all)
+  top_p: float = 1.0  # sample: keep the smallest set with mass >= top_p (1.0 = all)
+  beam_size: int = 4  # beam: hypotheses kept (the paper: 4)
+  alpha: float = 0.6  # beam: GNMT length penalty exponent (the paper: 0.6)
 
-    def validate(self) -> "Strategy":
-        """Raises ValueError naming the bad field; returns self."""
-        if self.name not in STRATEGIES:
-            raise ValueError(f"strategy={self.name!r} is not one of {list(STRATEGIES)}")
-        check_max_new_tokens(self.max_new_tokens)
-        if self.name == "sample":
-            check_sampling(self.temperature, self.top_k, self.top_p)
-        if self.name == "beam":
-            check_beam(self.beam_size, self.alpha)
-        return self
+  def validate(self) -> "Strategy":
+    """Raises ValueError naming the bad field; returns self."""
+    if self.name not in STRATEGIES:
+      raise ValueError(f"strategy={self.name!r} is not one of {list(STRATEGIES)}")
+    check_max_new_tokens(self.max_new_tokens)
+    if self.name == "sample":
+      check_sampling(self.temperature, self.top_k, self.top_p)
+    if self.name == "beam":
+      check_beam(self.beam_size, self.alpha)
+    return self
 
 
 def decoding_module(model_cfg: Any, params: Any) -> tuple[nn.Module, Any]:
-    """(module, params) ready for cached decoding: layers unrolled, params unstacked if scanned."""
-    config = model_cfg if isinstance(model_cfg, ModelConfig) else ModelConfig.from_config(model_cfg)
-    params = nn.meta.unbox(params)
-    if config.scan_layers:
-        params = _unscan(params)
-    config = dataclasses.replace(config, scan_layers=False, remat_policy="none")
-    return models.build(config), params
+  """(module, params) ready for cached decoding: layers unrolled, params unstacked if scanned."""
+  config = model_cfg if isinstance(model_cfg, ModelConfig) else ModelConfig.from_config(model_cfg)
+  params = nn.meta.unbox(params)
+  if config.scan_layers:
+    params = _unscan(params)
+  config = dataclasses.replace(config, scan_layers=False, remat_policy="none")
+  return models.build(config), params
 
 
 def _unscan(tree: Any) -> Any:
-    """Turns every nn.scan'd `layers/layer` subtree with a leading L axis into `layer_{i}`s."""
-    if not isinstance(tree, dict):
-        return tree
-    out = {}
-    for key, value in tree.items():
-        if key == "layers" and isinstance(value, dict) and set(value) == {"layer"}:
-            stacked = value["layer"]
-            num = jax.tree.leaves(stacked)[0].shape[0]
-            for i in range(num):
-                out[f"layer_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
-        else:
-            out[key] = _unscan(value)
-    return out
-
-
-def init_cache(module: nn.Module, decoder_len: int, batch: int, encoder_len: int | None = None) -> Any:
-    """Zeros in the shapes of the module's "cache" collection (nothing is computed)."""
-    dec = jnp.zeros((batch, decoder_len), jnp.int32)
-    if encoder_len is None:
-        init = functools.partial(module.init, jax.random.key(0), dec, decode=True)
+  """Turns every nn.scan'd `layers/layer` subtree with a leading L axis into `layer_{i}`s."""
+  if not isinstance(tree, dict):
+    return tree
+  out = {}
+  for key, value in tree.items():
+    if key == "layers" and isinstance(value, dict) and set(value) == {"layer"}:
+      stacked = value["layer"]
+      num = jax.tree.leaves(stacked)[0].shape[0]
+      for i in range(num):
+        out[f"layer_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
     else:
-        enc = jnp.zeros((batch, encoder_len), jnp.int32)
-        init = functools.partial(module.init, jax.random.key(0), enc, dec, decode=True)
-    shapes = jax.eval_shape(init)["cache"]
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+      out[key] = _unscan(value)
+  return out
+
+
+def init_cache(
+    module: nn.Module, decoder_len: int, batch: int, encoder_len: int | None = None
+) -> Any:
+  """Zeros in the shapes of the module's "cache" collection (nothing is computed)."""
+  dec = jnp.zeros((batch, decoder_len), jnp.int32)
+  if encoder_len is None:
+    init = functools.partial(module.init, jax.random.key(0), dec, decode=True)
+  else:
+    enc = jnp.zeros((batch, encoder_len), jnp.int32)
+    init = functools.partial(module.init, jax.random.key(0), enc, dec, decode=True)
+  shapes = jax.eval_shape(init)["cache"]
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
 def decoder_step_fn(module: nn.Module) -> StepFn:
-    """The KV-cached decoder step: T new tokens in, their logits out."""
+  """The KV-cached decoder step: T new tokens in, their logits out."""
 
-    def step(params, tokens_BT, positions_BT, segment_ids_BT, cache):
-        logits_BTV, mutated = module.apply(
-            {"params": params, "cache": cache}, tokens_BT, positions=positions_BT,
-            segment_ids=segment_ids_BT, decode=True, mutable=["cache"],
-        )
-        return logits_BTV, mutated["cache"]
+  def step(params, tokens_BT, positions_BT, segment_ids_BT, cache):
+    logits_BTV, mutated = module.apply(
+        {"params": params, "cache": cache},
+        tokens_BT,
+        positions=positions_BT,
+        segment_ids=segment_ids_BT,
+        decode=True,
+        mutable=["cache"],
+    )
+    return logits_BTV, mutated["cache"]
 
-    return step
+  return step
 
 
 def recompute_step_fn(module: nn.Module) -> StepFn:
-    """A decoder step without a KV cache: the "cache" is the token buffer, re-run in full."""
+  """A decoder step without a KV cache: the "cache" is the token buffer, re-run in full."""
 
-    def step(params, tokens_BT, positions_BT, segment_ids_BT, buffers):
-        index = buffers["index"]
-        new = {}
-        for key, value in (("tokens", tokens_BT), ("positions", positions_BT),
-                           ("segment_ids", segment_ids_BT)):
-            new[key] = jax.lax.dynamic_update_slice_in_dim(buffers[key], value, index, axis=1)
-        # Unwritten slots have segment id 0, so no real token attends to them.
-        logits_BLV = module.apply({"params": params}, new["tokens"], positions=new["positions"],
-                                  segment_ids=new["segment_ids"])
-        new["index"] = index + tokens_BT.shape[1]
-        return jax.lax.dynamic_slice_in_dim(logits_BLV, index, tokens_BT.shape[1], axis=1), new
+  def step(params, tokens_BT, positions_BT, segment_ids_BT, buffers):
+    index = buffers["index"]
+    new = {}
+    for key, value in (
+        ("tokens", tokens_BT),
+        ("positions", positions_BT),
+        ("segment_ids", segment_ids_BT),
+    ):
+      new[key] = jax.lax.dynamic_update_slice_in_dim(buffers[key], value, index, axis=1)
+    # Unwritten slots have segment id 0, so no real token attends to them.
+    logits_BLV = module.apply(
+        {"params": params},
+        new["tokens"],
+        positions=new["positions"],
+        segment_ids=new["segment_ids"],
+    )
+    new["index"] = index + tokens_BT.shape[1]
+    return jax.lax.dynamic_slice_in_dim(logits_BLV, index, tokens_BT.shape[1], axis=1), new
 
-    return step
+  return step
 
 
 def recompute_buffers(batch: int, length: int) -> dict[str, jax.Array]:
-    """The empty token buffers `recompute_step_fn` decodes into."""
-    zeros = jnp.zeros((batch, length), jnp.int32)
-    return {"tokens": zeros, "positions": zeros, "segment_ids": zeros, "index": jnp.int32(0)}
+  """The empty token buffers `recompute_step_fn` decodes into."""
+  zeros = jnp.zeros((batch, length), jnp.int32)
+  return {"tokens": zeros, "positions": zeros, "segment_ids": zeros, "index": jnp.int32(0)}
 
 
 def encdec_step_fns(module: nn.Module) -> tuple[StepFn, StepFn]:
-    """(prefill_fn, step_fn) for encoder-decoders; params = (model params, encoded, enc segs)."""
+  """(prefill_fn, step_fn) for encoder-decoders; params = (model params, encoded, enc segs)."""
 
-    def call(params, encoded, tokens_BT, positions_BT, segment_ids_BT, cache, encoder_segments):
-        logits_BTV, mutated = module.apply(
-            {"params": params, "cache": cache}, encoded, tokens_BT,
-            encoder_segment_ids=encoder_segments, decoder_segment_ids=segment_ids_BT,
-            decoder_positions=positions_BT, decode=True, mutable=["cache"], method="decode",
-        )
-        return logits_BTV, mutated["cache"]
+  def call(params, encoded, tokens_BT, positions_BT, segment_ids_BT, cache, encoder_segments):
+    logits_BTV, mutated = module.apply(
+        {"params": params, "cache": cache},
+        encoded,
+        tokens_BT,
+        encoder_segment_ids=encoder_segments,
+        decoder_segment_ids=segment_ids_BT,
+        decoder_positions=positions_BT,
+        decode=True,
+        mutable=["cache"],
+        method="decode",
+    )
+    return logits_BTV, mutated["cache"]
 
-    def prefill_fn(params, tokens_BT, positions_BT, segment_ids_BT, cache):
-        model_params, encoded_BSD, encoder_segment_ids_BS = params
-        return call(model_params, encoded_BSD, tokens_BT, positions_BT, segment_ids_BT, cache,
-                    encoder_segment_ids_BS)
+  def prefill_fn(params, tokens_BT, positions_BT, segment_ids_BT, cache):
+    model_params, encoded_BSD, encoder_segment_ids_BS = params
+    return call(
+        model_params,
+        encoded_BSD,
+        tokens_BT,
+        positions_BT,
+        segment_ids_BT,
+        cache,
+        encoder_segment_ids_BS,
+    )
 
-    def step_fn(params, tokens_BT, positions_BT, segment_ids_BT, cache):
-        # The encoder output is not needed any more: cross K/V and padding are cached.
-        return call(params[0], None, tokens_BT, positions_BT, segment_ids_BT, cache, None)
+  def step_fn(params, tokens_BT, positions_BT, segment_ids_BT, cache):
+    # The encoder output is not needed any more: cross K/V and padding are cached.
+    return call(params[0], None, tokens_BT, positions_BT, segment_ids_BT, cache, None)
 
-    return prefill_fn, step_fn
+  return prefill_fn, step_fn
 
 
-def _run(strategy: Strategy, step_fn: StepFn, params: Any, cache: Any, prompt: Prompt,
-         eos_id: int | None, rng: jax.Array | None, prefill_fn: StepFn | None = None):
-    s = strategy
-    if s.name == "beam":
-        return beam_search(step_fn, params, cache, prompt, beam_size=s.beam_size, alpha=s.alpha,
-                           max_new_tokens=s.max_new_tokens, eos_id=eos_id, prefill_fn=prefill_fn)
-    return sample(step_fn, params, cache, prompt, max_new_tokens=s.max_new_tokens, eos_id=eos_id,
-                  rng=rng, greedy=s.name == "greedy", temperature=s.temperature, top_k=s.top_k,
-                  top_p=s.top_p, prefill_fn=prefill_fn)
+def _run(
+    strategy: Strategy,
+    step_fn: StepFn,
+    params: Any,
+    cache: Any,
+    prompt: Prompt,
+    eos_id: int | None,
+    rng: jax.Array | None,
+    prefill_fn: StepFn | None = None,
+):
+  s = strategy
+  if s.name == "beam":
+    return beam_search(
+        step_fn,
+        params,
+        cache,
+        prompt,
+        beam_size=s.beam_size,
+        alpha=s.alpha,
+        max_new_tokens=s.max_new_tokens,
+        eos_id=eos_id,
+        prefill_fn=prefill_fn,
+    )
+  return sample(
+      step_fn,
+      params,
+      cache,
+      prompt,
+      max_new_tokens=s.max_new_tokens,
+      eos_id=eos_id,
+      rng=rng,
+      greedy=s.name == "greedy",
+      temperature=s.temperature,
+      top_k=s.top_k,
+      top_p=s.top_p,
+      prefill_fn=prefill_fn,
+  )
 
 
 @functools.partial(jax.jit, static_argnames=("module", "strategy", "eos_id", "use_cache"))
 def _generate(module, params, prompt, rng, *, strategy, eos_id, use_cache):
-    batch, width = prompt.tokens.shape
-    length = width + strategy.max_new_tokens - 1
-    if use_cache:
-        return _run(strategy, decoder_step_fn(module), params, init_cache(module, length, batch),
-                    prompt, eos_id, rng)
-    return _run(strategy, recompute_step_fn(module), params, recompute_buffers(batch, length),
-                prompt, eos_id, rng)
+  batch, width = prompt.tokens.shape
+  length = width + strategy.max_new_tokens - 1
+  if use_cache:
+    return _run(
+        strategy,
+        decoder_step_fn(module),
+        params,
+        init_cache(module, length, batch),
+        prompt,
+        eos_id,
+        rng,
+    )
+  return _run(
+      strategy,
+      recompute_step_fn(module),
+      params,
+      recompute_buffers(batch, length),
+      prompt,
+      eos_id,
+      rng,
+  )
 
 
-def generate(module: nn.Module, params: Any, prompt: Prompt, strategy: Strategy, *,
-             eos_id: int | None, rng: jax.Array | None = None,
-             use_cache: bool = True) -> DecodeResult | BeamResult:
-    """Continues each left-padded prompt row with a decoder-only model."""
-    strategy.validate()
-    if module.config.family != "decoder":
-        raise ValueError(f"generate() needs a decoder-only model, got family "
-                         f"{module.config.family!r}; use translate() for 'encdec'")
-    _check_fits(module.config, prompt.tokens.shape[1], strategy.max_new_tokens)
-    if strategy.name == "sample" and rng is None:
-        raise ValueError("strategy 'sample' needs rng (a jax.random key)")
-    return _generate(module, params, prompt, rng, strategy=strategy, eos_id=eos_id,
-                     use_cache=use_cache)
+def generate(
+    module: nn.Module,
+    params: Any,
+    prompt: Prompt,
+    strategy: Strategy,
+    *,
+    eos_id: int | None,
+    rng: jax.Array | None = None,
+    use_cache: bool = True,
+) -> DecodeResult | BeamResult:
+  """Continues each left-padded prompt row with a decoder-only model."""
+  strategy.validate()
+  if module.config.family != "decoder":
+    raise ValueError(
+        f"generate() needs a decoder-only model, got family "
+        f"{module.config.family!r}; use translate() for 'encdec'"
+    )
+  _check_fits(module.config, prompt.tokens.shape[1], strategy.max_new_tokens)
+  if strategy.name == "sample" and rng is None:
+    raise ValueError("strategy 'sample' needs rng (a jax.random key)")
+  return _generate(
+      module, params, prompt, rng, strategy=strategy, eos_id=eos_id, use_cache=use_cache
+  )
 
 
 @functools.partial(jax.jit, static_argnames=("module", "strategy", "eos_id", "decoder_start_id"))
-def _translate(module, params, encoder_inputs, encoder_segment_ids, rng, *, strategy, eos_id,
-               decoder_start_id):
-    batch, source_len = encoder_inputs.shape
-    encoded_BSD = module.apply({"params": params}, encoder_inputs,
-                               encoder_segment_ids=encoder_segment_ids, method="encode")
-    ones = jnp.ones((batch, 1), jnp.int32)
-    prompt = Prompt(ones * decoder_start_id, ones, ones * 0, ones[:, 0])
-    cache = init_cache(module, strategy.max_new_tokens, batch, source_len)
-    prefill_fn, step_fn = encdec_step_fns(module)
-    return _run(strategy, step_fn, (params, encoded_BSD, encoder_segment_ids), cache, prompt,
-                eos_id, rng, prefill_fn=prefill_fn)
+def _translate(
+    module, params, encoder_inputs, encoder_segment_ids, rng, *, strategy, eos_id, decoder_start_id
+):
+  batch, source_len = encoder_inputs.shape
+  encoded_BSD = module.apply(
+      {"params": params}, encoder_inputs, encoder_segment_ids=encoder_segment_ids, method="encode"
+  )
+  ones = jnp.ones((batch, 1), jnp.int32)
+  prompt = Prompt(ones * decoder_start_id, ones, ones * 0, ones[:, 0])
+  cache = init_cache(module, strategy.max_new_tokens, batch, source_len)
+  prefill_fn, step_fn = encdec_step_fns(module)
+  return _run(
+      strategy,
+      step_fn,
+      (params, encoded_BSD, encoder_segment_ids),
+      cache,
+      prompt,
+      eos_id,
+      rng,
+      prefill_fn=prefill_fn,
+  )
 
 
-def translate(module: nn.Module, params: Any, encoder_inputs: jax.Array,
-              encoder_segment_ids: jax.Array, strategy: Strategy, *, eos_id: int | None,
-              decoder_start_id: int, rng: jax.Array | None = None) -> DecodeResult | BeamResult:
-    """Decodes targets for right-padded source rows [B, S] with an encoder-decoder."""
-    strategy.validate()
-    if module.config.family != "encdec":
-        raise ValueError(f"translate() needs an 'encdec' model, got family "
-                         f"{module.config.family!r}")
-    if encoder_inputs.shape[1] == 0 or not bool(jnp.all(jnp.any(encoder_segment_ids > 0, 1))):
-        raise ValueError("encoder_inputs holds an empty source row (no segment id > 0); every "
-                         "source needs at least one token, e.g. EOS")
-    _check_fits(module.config, encoder_inputs.shape[1], 1)
-    _check_fits(module.config, 1, strategy.max_new_tokens)
-    if strategy.name == "sample" and rng is None:
-        raise ValueError("strategy 'sample' needs rng (a jax.random key)")
-    return _translate(module, params, jnp.asarray(encoder_inputs, jnp.int32),
-                      jnp.asarray(encoder_segment_ids, jnp.int32), rng, strategy=strategy,
-                      eos_id=eos_id, decoder_start_id=decoder_start_id)
+def translate(
+    module: nn.Module,
+    params: Any,
+    encoder_inputs: jax.Array,
+    encoder_segment_ids: jax.Array,
+    strategy: Strategy,
+    *,
+    eos_id: int | None,
+    decoder_start_id: int,
+    rng: jax.Array | None = None,
+) -> DecodeResult | BeamResult:
+  """Decodes targets for right-padded source rows [B, S] with an encoder-decoder."""
+  strategy.validate()
+  if module.config.family != "encdec":
+    raise ValueError(
+        f"translate() needs an 'encdec' model, got family " f"{module.config.family!r}"
+    )
+  if encoder_inputs.shape[1] == 0 or not bool(jnp.all(jnp.any(encoder_segment_ids > 0, 1))):
+    raise ValueError(
+        "encoder_inputs holds an empty source row (no segment id > 0); every "
+        "source needs at least one token, e.g. EOS"
+    )
+  _check_fits(module.config, encoder_inputs.shape[1], 1)
+  _check_fits(module.config, 1, strategy.max_new_tokens)
+  if strategy.name == "sample" and rng is None:
+    raise ValueError("strategy 'sample' needs rng (a jax.random key)")
+  return _translate(
+      module,
+      params,
+      jnp.asarray(encoder_inputs, jnp.int32),
+      jnp.asarray(encoder_segment_ids, jnp.int32),
+      rng,
+      strategy=strategy,
+      eos_id=eos_id,
+      decoder_start_id=decoder_start_id,
+  )
 
 
 def _check_fits(config: ModelConfig, prompt_len: int, max_new_tokens: int) -> None:
-    if prompt_len + max_new_tokens - 1 > config.max_len:
-        raise ValueError(
-            f"a {prompt_len}-token input with max_new_tokens={max_new_tokens} needs "
-            f"{prompt_len + max_new_tokens - 1} positions, more than model.max_len="
-            f"{config.max_len}")
+  if prompt_len + max_new_tokens - 1 > config.max_len:
+    raise ValueError(
+        f"a {prompt_len}-token input with max_new_tokens={max_new_tokens} needs "
+        f"{prompt_len + max_new_tokens - 1} positions, more than model.max_len="
+        f"{config.max_len}"
+    )
 
 
 def best(result: DecodeResult | BeamResult) -> DecodeResult:
-    """The top hypothesis of a beam result (a sampling result as it is)."""
-    if isinstance(result, BeamResult):
-        return DecodeResult(result.tokens[:, 0], result.lengths[:, 0])
-    return result
+  """The top hypothesis of a beam result (a sampling result as it is)."""
+  if isinstance(result, BeamResult):
+    return DecodeResult(result.tokens[:, 0], result.lengths[:, 0])
+  return result

@@ -27,65 +27,67 @@ StepFn = Callable[[Any, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, 
 
 
 class DecodeResult(NamedTuple):
-    """Generated ids: `tokens[b, :lengths[b]]` ends with EOS if one was produced; 0 after."""
+  """Generated ids: `tokens[b, :lengths[b]]` ends with EOS if one was produced; 0 after."""
 
-    tokens: jax.Array  # [B, N] int32
-    lengths: jax.Array  # [B] int32, generated tokens including the EOS
+  tokens: jax.Array  # [B, N] int32
+  lengths: jax.Array  # [B] int32, generated tokens including the EOS
 
 
-def process_logits(logits_BV: jax.Array, *, temperature: float, top_k: int, top_p: float) -> jax.Array:
-    """Scaled logits with -inf outside the top-k / nucleus set, in HF's order (T, k, p)."""
-    logits_BV = logits_BV.astype(jnp.float32) / temperature
-    rows_B1 = jnp.arange(logits_BV.shape[0])[:, None]
-    if top_k > 0 and top_k < logits_BV.shape[-1]:
-        # Keep by index, not by a threshold value, so ties cannot widen the set
-        # and top_k=1 picks exactly argmax's token (both prefer the lower index).
-        _, idx_BK = jax.lax.top_k(logits_BV, top_k)
-        keep_BV = jnp.zeros(logits_BV.shape, bool).at[rows_B1, idx_BK].set(True)
-        logits_BV = jnp.where(keep_BV, logits_BV, -jnp.inf)
-    if top_p < 1.0:
-        order_BV = jnp.argsort(-logits_BV, axis=-1, stable=True)
-        sorted_BV = jnp.take_along_axis(logits_BV, order_BV, axis=-1)
-        probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
-        mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
-        # The nucleus is the shortest prefix of the sorted vocabulary whose mass
-        # reaches top_p; the most likely token is always in it.
-        keep_sorted_BV = (mass_before_BV < top_p).at[:, 0].set(True)
-        keep_BV = jnp.zeros(logits_BV.shape, bool).at[rows_B1, order_BV].set(keep_sorted_BV)
-        logits_BV = jnp.where(keep_BV, logits_BV, -jnp.inf)
-    return logits_BV
+def process_logits(
+    logits_BV: jax.Array, *, temperature: float, top_k: int, top_p: float
+) -> jax.Array:
+  """Scaled logits with -inf outside the top-k / nucleus set, in HF's order (T, k, p)."""
+  logits_BV = logits_BV.astype(jnp.float32) / temperature
+  rows_B1 = jnp.arange(logits_BV.shape[0])[:, None]
+  if top_k > 0 and top_k < logits_BV.shape[-1]:
+    # Keep by index, not by a threshold value, so ties cannot widen the set
+    # and top_k=1 picks exactly argmax's token (both prefer the lower index).
+    _, idx_BK = jax.lax.top_k(logits_BV, top_k)
+    keep_BV = jnp.zeros(logits_BV.shape, bool).at[rows_B1, idx_BK].set(True)
+    logits_BV = jnp.where(keep_BV, logits_BV, -jnp.inf)
+  if top_p < 1.0:
+    order_BV = jnp.argsort(-logits_BV, axis=-1, stable=True)
+    sorted_BV = jnp.take_along_axis(logits_BV, order_BV, axis=-1)
+    probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+    mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+    # The nucleus is the shortest prefix of the sorted vocabulary whose mass
+    # reaches top_p; the most likely token is always in it.
+    keep_sorted_BV = (mass_before_BV < top_p).at[:, 0].set(True)
+    keep_BV = jnp.zeros(logits_BV.shape, bool).at[rows_B1, order_BV].set(keep_sorted_BV)
+    logits_BV = jnp.where(keep_BV, logits_BV, -jnp.inf)
+  return logits_BV
 
 
 def _select(
     logits_BV: jax.Array, rng: jax.Array, greedy: bool, temperature: float, top_k: int, top_p: float
 ) -> jax.Array:
-    if greedy:
-        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-    logits_BV = process_logits(logits_BV, temperature=temperature, top_k=top_k, top_p=top_p)
-    return jax.random.categorical(rng, logits_BV, axis=-1).astype(jnp.int32)
+  if greedy:
+    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+  logits_BV = process_logits(logits_BV, temperature=temperature, top_k=top_k, top_p=top_p)
+  return jax.random.categorical(rng, logits_BV, axis=-1).astype(jnp.int32)
 
 
 def prefill(step_fn: StepFn, params: Any, cache: Any, prompt: Prompt) -> tuple[jax.Array, Any]:
-    """Runs the whole prompt through the model; returns the last column's logits and the cache."""
-    logits_BPV, cache = step_fn(
-        params,
-        jnp.asarray(prompt.tokens, jnp.int32),
-        jnp.asarray(prompt.positions, jnp.int32),
-        jnp.asarray(prompt.segment_ids, jnp.int32),
-        cache,
-    )
-    # Left padding puts every row's last real token in the last column.
-    return logits_BPV[:, -1].astype(jnp.float32), cache
+  """Runs the whole prompt through the model; returns the last column's logits and the cache."""
+  logits_BPV, cache = step_fn(
+      params,
+      jnp.asarray(prompt.tokens, jnp.int32),
+      jnp.asarray(prompt.positions, jnp.int32),
+      jnp.asarray(prompt.segment_ids, jnp.int32),
+      cache,
+  )
+  # Left padding puts every row's last real token in the last column.
+  return logits_BPV[:, -1].astype(jnp.float32), cache
 
 
 def generated_lengths(tokens_BN: jax.Array, eos_id: int | None) -> jax.Array:
-    """Tokens up to and including the first EOS, else N."""
-    n = tokens_BN.shape[-1]
-    if eos_id is None:
-        return jnp.full(tokens_BN.shape[:-1], n, jnp.int32)
-    is_eos = tokens_BN == eos_id
-    first = jnp.argmax(is_eos, axis=-1)
-    return jnp.where(is_eos.any(axis=-1), first + 1, n).astype(jnp.int32)
+  """Tokens up to and including the first EOS, else N."""
+  n = tokens_BN.shape[-1]
+  if eos_id is None:
+    return jnp.full(tokens_BN.shape[:-1], n, jnp.int32)
+  is_eos = tokens_BN == eos_id
+  first = jnp.argmax(is_eos, axis=-1)
+  return jnp.where(is_eos.any(axis=-1), first + 1, n).astype(jnp.int32)
 
 
 def sample(
@@ -103,45 +105,45 @@ def sample(
     top_p: float = 1.0,
     prefill_fn: StepFn | None = None,
 ) -> DecodeResult:
-    """Generates up to max_new_tokens per row, stopping rows at EOS; greedy=True takes argmax."""
-    check_max_new_tokens(max_new_tokens)
+  """Generates up to max_new_tokens per row, stopping rows at EOS; greedy=True takes argmax."""
+  check_max_new_tokens(max_new_tokens)
+  if not greedy:
+    check_sampling(temperature, top_k, top_p)
+  if rng is None:
     if not greedy:
-        check_sampling(temperature, top_k, top_p)
-    if rng is None:
-        if not greedy:
-            raise ValueError("rng is None: sampling (greedy=False) needs a jax.random key")
-        rng = jax.random.key(0)
-    batch = prompt.tokens.shape[0]
-    lengths_B = jnp.asarray(prompt.lengths, jnp.int32)
+      raise ValueError("rng is None: sampling (greedy=False) needs a jax.random key")
+    rng = jax.random.key(0)
+  batch = prompt.tokens.shape[0]
+  lengths_B = jnp.asarray(prompt.lengths, jnp.int32)
 
-    logits_BV, cache = prefill(prefill_fn or step_fn, params, cache, prompt)
+  logits_BV, cache = prefill(prefill_fn or step_fn, params, cache, prompt)
+  rng, key = jax.random.split(rng)
+  token_B = _select(logits_BV, key, greedy, temperature, top_k, top_p)
+  tokens_BN = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(token_B)
+  done_B = token_B == eos_id if eos_id is not None else jnp.zeros((batch,), bool)
+
+  def cond(state):
+    i, _, _, done_B, _, _ = state
+    return (i < max_new_tokens) & ~jnp.all(done_B)
+
+  def body(state):
+    i, tokens_BN, token_B, done_B, cache, rng = state
+    # Token i-1 sits at position prompt_length + i - 1 of its row.
+    positions_B1 = (lengths_B + i - 1)[:, None]
+    logits_B1V, cache = step_fn(
+        params, token_B[:, None], positions_B1, jnp.ones((batch, 1), jnp.int32), cache
+    )
     rng, key = jax.random.split(rng)
-    token_B = _select(logits_BV, key, greedy, temperature, top_k, top_p)
-    tokens_BN = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(token_B)
-    done_B = token_B == eos_id if eos_id is not None else jnp.zeros((batch,), bool)
+    new_B = _select(logits_B1V[:, 0].astype(jnp.float32), key, greedy, temperature, top_k, top_p)
+    new_B = jnp.where(done_B, 0, new_B)
+    tokens_BN = jax.lax.dynamic_update_slice(tokens_BN, new_B[:, None], (0, i))
+    if eos_id is not None:
+      done_B = done_B | (new_B == eos_id)
+    return i + 1, tokens_BN, new_B, done_B, cache, rng
 
-    def cond(state):
-        i, _, _, done_B, _, _ = state
-        return (i < max_new_tokens) & ~jnp.all(done_B)
-
-    def body(state):
-        i, tokens_BN, token_B, done_B, cache, rng = state
-        # Token i-1 sits at position prompt_length + i - 1 of its row.
-        positions_B1 = (lengths_B + i - 1)[:, None]
-        logits_B1V, cache = step_fn(
-            params, token_B[:, None], positions_B1, jnp.ones((batch, 1), jnp.int32), cache
-        )
-        rng, key = jax.random.split(rng)
-        new_B = _select(logits_B1V[:, 0].astype(jnp.float32), key, greedy, temperature, top_k, top_p)
-        new_B = jnp.where(done_B, 0, new_B)
-        tokens_BN = jax.lax.dynamic_update_slice(tokens_BN, new_B[:, None], (0, i))
-        if eos_id is not None:
-            done_B = done_B | (new_B == eos_id)
-        return i + 1, tokens_BN, new_B, done_B, cache, rng
-
-    state = (jnp.int32(1), tokens_BN, token_B, done_B, cache, rng)
-    _, tokens_BN, _, _, _, _ = jax.lax.while_loop(cond, body, state)
-    return DecodeResult(tokens_BN, generated_lengths(tokens_BN, eos_id))
+  state = (jnp.int32(1), tokens_BN, token_B, done_B, cache, rng)
+  _, tokens_BN, _, _, _, _ = jax.lax.while_loop(cond, body, state)
+  return DecodeResult(tokens_BN, generated_lengths(tokens_BN, eos_id))
 
 
 def greedy(
@@ -154,8 +156,14 @@ def greedy(
     eos_id: int | None,
     prefill_fn: StepFn | None = None,
 ) -> DecodeResult:
-    """Argmax decoding; see `sample`."""
-    return sample(
-        step_fn, params, cache, prompt, max_new_tokens=max_new_tokens, eos_id=eos_id,
-        greedy=True, prefill_fn=prefill_fn,
-    )
+  """Argmax decoding; see `sample`."""
+  return sample(
+      step_fn,
+      params,
+      cache,
+      prompt,
+      max_new_tokens=max_new_tokens,
+      eos_id=eos_id,
+      greedy=True,
+      prefill_fn=prefill_fn,
+  )

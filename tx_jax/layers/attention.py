@@ -24,165 +24,184 @@ Array = jnp.ndarray
 
 
 class Projection(nn.Module):
-    """DenseGeneral whose kernel is boxed at its full rank.
+  """DenseGeneral whose kernel is boxed at its full rank.
 
-    flax 0.12's DenseGeneral boxes the *flattened* [in, out] kernel with the full-rank logical
-    names and unboxes it, also in apply (its shape check re-traces the init), which fails as
-    soon as a mesh and logical rules are active. Here the initializer sees the same flattened
-    shape (same fans, same random numbers) and the box wraps the reshaped kernel.
-    """
+  flax 0.12's DenseGeneral boxes the *flattened* [in, out] kernel with the full-rank logical
+  names and unboxes it, also in apply (its shape check re-traces the init), which fails as
+  soon as a mesh and logical rules are active. Here the initializer sees the same flattened
+  shape (same fans, same random numbers) and the box wraps the reshaped kernel.
+  """
 
-    features: tuple[int, ...]
-    in_dims: int  # trailing input dims contracted
-    names: tuple[str, ...]  # logical names of the kernel: input dims, then feature dims
-    use_bias: bool
-    kernel_init: nn.initializers.Initializer
-    dtype: jnp.dtype
-    param_dtype: jnp.dtype
+  features: tuple[int, ...]
+  in_dims: int  # trailing input dims contracted
+  names: tuple[str, ...]  # logical names of the kernel: input dims, then feature dims
+  use_bias: bool
+  kernel_init: nn.initializers.Initializer
+  dtype: jnp.dtype
+  param_dtype: jnp.dtype
 
-    @nn.compact
-    def __call__(self, x: Array) -> Array:
-        in_shape = x.shape[x.ndim - self.in_dims:]
-        flat = (int(np.prod(in_shape)), int(np.prod(self.features)))
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    in_shape = x.shape[x.ndim - self.in_dims :]
+    flat = (int(np.prod(in_shape)), int(np.prod(self.features)))
 
-        def init(rng, shape, dtype=jnp.float32):
-            return jnp.reshape(self.kernel_init(rng, flat, dtype), shape)
+    def init(rng, shape, dtype=jnp.float32):
+      return jnp.reshape(self.kernel_init(rng, flat, dtype), shape)
 
-        kernel = self.param("kernel", nn.with_logical_partitioning(init, self.names),
-                            in_shape + tuple(self.features), self.param_dtype)
-        bias = None
-        if self.use_bias:
-            bias = self.param("bias", nn.with_logical_partitioning(
-                nn.initializers.zeros, self.names[self.in_dims:]), tuple(self.features),
-                self.param_dtype)
-        x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
-        contract = tuple(range(x.ndim - self.in_dims, x.ndim))
-        y = jax.lax.dot_general(x, kernel, ((contract, tuple(range(self.in_dims))), ((), ())))
-        return y if bias is None else y + bias
+    kernel = self.param(
+        "kernel",
+        nn.with_logical_partitioning(init, self.names),
+        in_shape + tuple(self.features),
+        self.param_dtype,
+    )
+    bias = None
+    if self.use_bias:
+      bias = self.param(
+          "bias",
+          nn.with_logical_partitioning(nn.initializers.zeros, self.names[self.in_dims :]),
+          tuple(self.features),
+          self.param_dtype,
+      )
+    x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+    contract = tuple(range(x.ndim - self.in_dims, x.ndim))
+    y = jax.lax.dot_general(x, kernel, ((contract, tuple(range(self.in_dims))), ((), ())))
+    return y if bias is None else y + bias
 
 
 class MultiHeadAttention(nn.Module):
-    """softmax(Q·Kᵀ/√d_k)·V over `num_heads` query heads and `num_kv_heads` K/V heads."""
+  """softmax(Q·Kᵀ/√d_k)·V over `num_heads` query heads and `num_kv_heads` K/V heads."""
 
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    use_bias: bool = False
-    dropout_rate: float = 0.0
-    backend: str = "dense"
-    scale: float | None = None  # None: 1/sqrt(head_dim); T5 folds it into the init and uses 1.0
-    rope_theta: float | None = None  # set to rotate q and k (RoPE)
-    kernel_init: nn.initializers.Initializer = nn.initializers.lecun_normal()
-    output_init: nn.initializers.Initializer | None = None
-    dtype: jnp.dtype = jnp.float32
-    param_dtype: jnp.dtype = jnp.float32
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  use_bias: bool = False
+  dropout_rate: float = 0.0
+  backend: str = "dense"
+  scale: float | None = None  # None: 1/sqrt(head_dim); T5 folds it into the init and uses 1.0
+  rope_theta: float | None = None  # set to rotate q and k (RoPE)
+  kernel_init: nn.initializers.Initializer = nn.initializers.lecun_normal()
+  output_init: nn.initializers.Initializer | None = None
+  dtype: jnp.dtype = jnp.float32
+  param_dtype: jnp.dtype = jnp.float32
 
-    def _projection(self, heads: int, head_axis: str, name: str) -> Projection:
-        return Projection(
-            features=(heads, self.head_dim),
-            in_dims=1,
-            names=("embed", head_axis, "head_dim"),
-            use_bias=self.use_bias,
-            kernel_init=self.kernel_init,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            name=name,
+  def _projection(self, heads: int, head_axis: str, name: str) -> Projection:
+    return Projection(
+        features=(heads, self.head_dim),
+        in_dims=1,
+        names=("embed", head_axis, "head_dim"),
+        use_bias=self.use_bias,
+        kernel_init=self.kernel_init,
+        dtype=self.dtype,
+        param_dtype=self.param_dtype,
+        name=name,
+    )
+
+  @nn.compact
+  def __call__(
+      self,
+      x_BTD: Array,
+      kv_BSD: Array | None = None,
+      *,
+      mask: Array | None = None,
+      bias: Array | None = None,
+      query_positions: Array | None = None,
+      key_positions: Array | None = None,
+      is_cross: bool = False,
+      train: bool = False,
+      decode: bool = False,
+  ) -> Array:
+    """x_BTD attends to itself, or to kv_BSD when `is_cross`. Returns [B, T, D]."""
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f"model.num_heads={self.num_heads} must be a multiple of "
+          f"model.num_kv_heads={self.num_kv_heads}"
+      )
+    q_BTNH = self._projection(self.num_heads, "heads", "query")(x_BTD)
+    key_proj = self._projection(self.num_kv_heads, "kv_heads", "key")
+    value_proj = self._projection(self.num_kv_heads, "kv_heads", "value")
+
+    if is_cross:
+      k_BSKH, v_BSKH = self._cross_kv(kv_BSD, key_proj, value_proj, decode)
+    else:
+      k_BSKH, v_BSKH = key_proj(x_BTD), value_proj(x_BTD)
+      if self.rope_theta is not None:
+        q_BTNH = apply_rope(q_BTNH, query_positions, self.rope_theta)
+        k_BSKH = apply_rope(k_BSKH, key_positions, self.rope_theta)
+      if decode:
+        k_BSKH, v_BSKH = self._append_to_cache(k_BSKH, v_BSKH)
+    q_BTNH = nn.with_logical_constraint(
+        q_BTNH, ("act_batch", "act_len", "act_heads", "act_head_dim")
+    )
+    k_BSKH = nn.with_logical_constraint(
+        k_BSKH, ("act_batch", "act_kv_len", "act_kv_heads", "act_head_dim")
+    )
+    v_BSKH = nn.with_logical_constraint(
+        v_BSKH, ("act_batch", "act_kv_len", "act_kv_heads", "act_head_dim")
+    )
+
+    deterministic = not train or self.dropout_rate == 0.0
+    out_BTNH = get_backend(self.backend)(
+        q_BTNH,
+        k_BSKH,
+        v_BSKH,
+        mask,
+        bias,
+        scale=self.scale if self.scale is not None else self.head_dim**-0.5,
+        dropout_rate=self.dropout_rate,
+        dropout_rng=None if deterministic else self.make_rng("dropout"),
+        deterministic=deterministic,
+    )
+    out_BTNH = nn.with_logical_constraint(
+        out_BTNH, ("act_batch", "act_len", "act_heads", "act_head_dim")
+    )
+    return Projection(
+        features=(x_BTD.shape[-1],),
+        in_dims=2,
+        names=("heads", "head_dim", "embed"),
+        use_bias=self.use_bias,
+        kernel_init=self.output_init or self.kernel_init,
+        dtype=self.dtype,
+        param_dtype=self.param_dtype,
+        name="out",
+    )(out_BTNH)
+
+  def _append_to_cache(self, k_BTKH: Array, v_BTKH: Array) -> tuple[Array, Array]:
+    """Writes the new K/V at cache_index; returns the whole cache [B, S_max, K, H].
+
+    On the call that creates the cache (init with a full-length input) the
+    new K/V are returned as they are and nothing is written.
+    """
+    initialized = self.has_variable("cache", "cached_key")
+    cached_key = self.variable("cache", "cached_key", jnp.zeros, k_BTKH.shape, k_BTKH.dtype)
+    cached_value = self.variable("cache", "cached_value", jnp.zeros, v_BTKH.shape, v_BTKH.dtype)
+    cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+    if not initialized:
+      return k_BTKH, v_BTKH
+    index = cache_index.value
+    start = (0, index, 0, 0)
+    cached_key.value = jax.lax.dynamic_update_slice(
+        cached_key.value, k_BTKH.astype(cached_key.value.dtype), start
+    )
+    cached_value.value = jax.lax.dynamic_update_slice(
+        cached_value.value, v_BTKH.astype(cached_value.value.dtype), start
+    )
+    cache_index.value = index + k_BTKH.shape[1]
+    return cached_key.value, cached_value.value
+
+  def _cross_kv(
+      self, kv_BSD: Array | None, key_proj, value_proj, decode: bool
+  ) -> tuple[Array, Array]:
+    """Cross-attention K/V: projected from kv_BSD, cached in decode mode when given."""
+    if not decode:
+      return key_proj(kv_BSD), value_proj(kv_BSD)
+    if kv_BSD is None:
+      if not self.has_variable("cache", "cross_key"):
+        raise ValueError(
+            "cross-attention decode step before the prefill call: pass the "
+            "encoder output on the first decode call"
         )
-
-    @nn.compact
-    def __call__(
-        self,
-        x_BTD: Array,
-        kv_BSD: Array | None = None,
-        *,
-        mask: Array | None = None,
-        bias: Array | None = None,
-        query_positions: Array | None = None,
-        key_positions: Array | None = None,
-        is_cross: bool = False,
-        train: bool = False,
-        decode: bool = False,
-    ) -> Array:
-        """x_BTD attends to itself, or to kv_BSD when `is_cross`. Returns [B, T, D]."""
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"model.num_heads={self.num_heads} must be a multiple of "
-                f"model.num_kv_heads={self.num_kv_heads}")
-        q_BTNH = self._projection(self.num_heads, "heads", "query")(x_BTD)
-        key_proj = self._projection(self.num_kv_heads, "kv_heads", "key")
-        value_proj = self._projection(self.num_kv_heads, "kv_heads", "value")
-
-        if is_cross:
-            k_BSKH, v_BSKH = self._cross_kv(kv_BSD, key_proj, value_proj, decode)
-        else:
-            k_BSKH, v_BSKH = key_proj(x_BTD), value_proj(x_BTD)
-            if self.rope_theta is not None:
-                q_BTNH = apply_rope(q_BTNH, query_positions, self.rope_theta)
-                k_BSKH = apply_rope(k_BSKH, key_positions, self.rope_theta)
-            if decode:
-                k_BSKH, v_BSKH = self._append_to_cache(k_BSKH, v_BSKH)
-        q_BTNH = nn.with_logical_constraint(
-            q_BTNH, ("act_batch", "act_len", "act_heads", "act_head_dim"))
-        k_BSKH = nn.with_logical_constraint(
-            k_BSKH, ("act_batch", "act_kv_len", "act_kv_heads", "act_head_dim"))
-        v_BSKH = nn.with_logical_constraint(
-            v_BSKH, ("act_batch", "act_kv_len", "act_kv_heads", "act_head_dim"))
-
-        deterministic = not train or self.dropout_rate == 0.0
-        out_BTNH = get_backend(self.backend)(
-            q_BTNH, k_BSKH, v_BSKH, mask, bias,
-            scale=self.scale if self.scale is not None else self.head_dim ** -0.5,
-            dropout_rate=self.dropout_rate,
-            dropout_rng=None if deterministic else self.make_rng("dropout"),
-            deterministic=deterministic,
-        )
-        out_BTNH = nn.with_logical_constraint(
-            out_BTNH, ("act_batch", "act_len", "act_heads", "act_head_dim"))
-        return Projection(
-            features=(x_BTD.shape[-1],),
-            in_dims=2,
-            names=("heads", "head_dim", "embed"),
-            use_bias=self.use_bias,
-            kernel_init=self.output_init or self.kernel_init,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            name="out",
-        )(out_BTNH)
-
-    def _append_to_cache(self, k_BTKH: Array, v_BTKH: Array) -> tuple[Array, Array]:
-        """Writes the new K/V at cache_index; returns the whole cache [B, S_max, K, H].
-
-        On the call that creates the cache (init with a full-length input) the
-        new K/V are returned as they are and nothing is written.
-        """
-        initialized = self.has_variable("cache", "cached_key")
-        cached_key = self.variable("cache", "cached_key", jnp.zeros, k_BTKH.shape, k_BTKH.dtype)
-        cached_value = self.variable("cache", "cached_value", jnp.zeros, v_BTKH.shape,
-                                     v_BTKH.dtype)
-        cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
-        if not initialized:
-            return k_BTKH, v_BTKH
-        index = cache_index.value
-        start = (0, index, 0, 0)
-        cached_key.value = jax.lax.dynamic_update_slice(
-            cached_key.value, k_BTKH.astype(cached_key.value.dtype), start)
-        cached_value.value = jax.lax.dynamic_update_slice(
-            cached_value.value, v_BTKH.astype(cached_value.value.dtype), start)
-        cache_index.value = index + k_BTKH.shape[1]
-        return cached_key.value, cached_value.value
-
-    def _cross_kv(self, kv_BSD: Array | None, key_proj, value_proj,
-                  decode: bool) -> tuple[Array, Array]:
-        """Cross-attention K/V: projected from kv_BSD, cached in decode mode when given."""
-        if not decode:
-            return key_proj(kv_BSD), value_proj(kv_BSD)
-        if kv_BSD is None:
-            if not self.has_variable("cache", "cross_key"):
-                raise ValueError("cross-attention decode step before the prefill call: pass the "
-                                 "encoder output on the first decode call")
-            return (self.get_variable("cache", "cross_key"),
-                    self.get_variable("cache", "cross_value"))
-        k_BSKH, v_BSKH = key_proj(kv_BSD), value_proj(kv_BSD)
-        self.put_variable("cache", "cross_key", k_BSKH)
-        self.put_variable("cache", "cross_value", v_BSKH)
-        return k_BSKH, v_BSKH
+      return (self.get_variable("cache", "cross_key"), self.get_variable("cache", "cross_value"))
+    k_BSKH, v_BSKH = key_proj(kv_BSD), value_proj(kv_BSD)
+    self.put_variable("cache", "cross_key", k_BSKH)
+    self.put_variable("cache", "cross_value", v_BSKH)
+    return k_BSKH, v_BSKH

@@ -21,24 +21,24 @@ Array = jnp.ndarray
 
 
 def _group_queries(q_BTNH: Array, num_kv_heads: int) -> Array:
-    batch, length, num_heads, head_dim = q_BTNH.shape
-    return q_BTNH.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
+  batch, length, num_heads, head_dim = q_BTNH.shape
+  return q_BTNH.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
 
 
 def _bias_to_groups(bias: Array, num_kv_heads: int) -> Array:
-    """[B|1, N|1, T, S] -> [B|1, K|1, G|1, T, S] so it broadcasts against grouped logits."""
-    b, n, t, s = bias.shape
-    if n == 1:
-        return bias[:, :, None]
-    return bias.reshape(b, num_kv_heads, n // num_kv_heads, t, s)
+  """[B|1, N|1, T, S] -> [B|1, K|1, G|1, T, S] so it broadcasts against grouped logits."""
+  b, n, t, s = bias.shape
+  if n == 1:
+    return bias[:, :, None]
+  return bias.reshape(b, num_kv_heads, n // num_kv_heads, t, s)
 
 
 def _zero_fully_masked_rows(out_BTNH: Array, mask_B1TS: Array | None) -> Array:
-    """A query whose keys are all masked attends to nothing: its output is exactly 0."""
-    if mask_B1TS is None:
-        return out_BTNH
-    any_key_BT = jnp.any(mask_B1TS[:, 0], axis=-1)
-    return jnp.where(any_key_BT[:, :, None, None], out_BTNH, 0).astype(out_BTNH.dtype)
+  """A query whose keys are all masked attends to nothing: its output is exactly 0."""
+  if mask_B1TS is None:
+    return out_BTNH
+  any_key_BT = jnp.any(mask_B1TS[:, 0], axis=-1)
+  return jnp.where(any_key_BT[:, :, None, None], out_BTNH, 0).astype(out_BTNH.dtype)
 
 
 def dense_attention(
@@ -53,59 +53,64 @@ def dense_attention(
     dropout_rng: jax.Array | None = None,
     deterministic: bool = True,
 ) -> Array:
-    """Reference XLA attention; materialises the [B, N, T, S] weights. Softmax in float32."""
-    num_kv_heads = k_BSKH.shape[2]
-    q_BTKGH = _group_queries(q_BTNH, num_kv_heads)
-    logits_BKGTS = jnp.einsum(
-        "btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32
-    )
-    logits_BKGTS = logits_BKGTS * jnp.float32(scale)
-    if bias is not None:
-        logits_BKGTS = logits_BKGTS + _bias_to_groups(bias.astype(jnp.float32), num_kv_heads)
-    if mask_B1TS is not None:
-        mask_B11TS = mask_B1TS[:, :, None]
-        logits_BKGTS = jnp.where(mask_B11TS, logits_BKGTS, jnp.finfo(jnp.float32).min)
-    weights_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1)
-    if mask_B1TS is not None:
-        # Masked keys get exactly zero weight, and fully masked rows (whose
-        # softmax over equal minima is uniform) become all-zero.
-        weights_BKGTS = jnp.where(mask_B11TS, weights_BKGTS, 0.0)
-    if not deterministic and dropout_rate > 0.0:
-        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights_BKGTS.shape)
-        weights_BKGTS = jnp.where(keep, weights_BKGTS / (1.0 - dropout_rate), 0.0)
-    out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", weights_BKGTS.astype(v_BSKH.dtype), v_BSKH)
-    return out_BTKGH.reshape(q_BTNH.shape)
+  """Reference XLA attention; materialises the [B, N, T, S] weights. Softmax in float32."""
+  num_kv_heads = k_BSKH.shape[2]
+  q_BTKGH = _group_queries(q_BTNH, num_kv_heads)
+  logits_BKGTS = jnp.einsum(
+      "btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32
+  )
+  logits_BKGTS = logits_BKGTS * jnp.float32(scale)
+  if bias is not None:
+    logits_BKGTS = logits_BKGTS + _bias_to_groups(bias.astype(jnp.float32), num_kv_heads)
+  if mask_B1TS is not None:
+    mask_B11TS = mask_B1TS[:, :, None]
+    logits_BKGTS = jnp.where(mask_B11TS, logits_BKGTS, jnp.finfo(jnp.float32).min)
+  weights_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1)
+  if mask_B1TS is not None:
+    # Masked keys get exactly zero weight, and fully masked rows (whose
+    # softmax over equal minima is uniform) become all-zero.
+    weights_BKGTS = jnp.where(mask_B11TS, weights_BKGTS, 0.0)
+  if not deterministic and dropout_rate > 0.0:
+    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights_BKGTS.shape)
+    weights_BKGTS = jnp.where(keep, weights_BKGTS / (1.0 - dropout_rate), 0.0)
+  out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", weights_BKGTS.astype(v_BSKH.dtype), v_BSKH)
+  return out_BTKGH.reshape(q_BTNH.shape)
 
 
 def _jax_nn_attention(implementation: str | None) -> Callable[..., Array]:
-    def attend(
-        q_BTNH: Array,
-        k_BSKH: Array,
-        v_BSKH: Array,
-        mask_B1TS: Array | None,
-        bias: Array | None,
-        *,
-        scale: float,
-        dropout_rate: float = 0.0,
-        dropout_rng: jax.Array | None = None,
-        deterministic: bool = True,
-    ) -> Array:
-        if not deterministic and dropout_rate > 0.0:
-            raise ValueError(
-                f"attention backend {implementation or 'xla'!r} has no attention dropout; "
-                f"set model.attention_dropout_rate=0 (got {dropout_rate}) or backend='dense'"
-            )
-        if bias is not None:
-            bias = jnp.broadcast_to(
-                bias, (q_BTNH.shape[0], q_BTNH.shape[2], q_BTNH.shape[1], k_BSKH.shape[1])
-            ).astype(q_BTNH.dtype)
-        out = jax.nn.dot_product_attention(
-            q_BTNH, k_BSKH, v_BSKH, bias=bias, mask=mask_B1TS, scale=scale,
-            implementation=implementation,
-        )
-        return _zero_fully_masked_rows(out, mask_B1TS)
+  def attend(
+      q_BTNH: Array,
+      k_BSKH: Array,
+      v_BSKH: Array,
+      mask_B1TS: Array | None,
+      bias: Array | None,
+      *,
+      scale: float,
+      dropout_rate: float = 0.0,
+      dropout_rng: jax.Array | None = None,
+      deterministic: bool = True,
+  ) -> Array:
+    if not deterministic and dropout_rate > 0.0:
+      raise ValueError(
+          f"attention backend {implementation or 'xla'!r} has no attention dropout; "
+          f"set model.attention_dropout_rate=0 (got {dropout_rate}) or backend='dense'"
+      )
+    if bias is not None:
+      bias = jnp.broadcast_to(
+          bias, (q_BTNH.shape[0], q_BTNH.shape[2], q_BTNH.shape[1], k_BSKH.shape[1])
+      ).astype(q_BTNH.dtype)
+    out = jax.nn.dot_product_attention(
+        q_BTNH,
+        k_BSKH,
+        v_BSKH,
+        bias=bias,
+        mask=mask_B1TS,
+        scale=scale,
+        implementation=implementation,
+    )
+    return _zero_fully_masked_rows(out, mask_B1TS)
 
-    return attend
+  return attend
 
 
 # "xla" is jax.nn.dot_product_attention's portable path; "cudnn" its fused GPU
@@ -118,7 +123,7 @@ BACKENDS: dict[str, Callable[..., Array]] = {
 
 
 def get_backend(name: str) -> Callable[..., Array]:
-    """Looks up an attention backend by name, with an error listing the accepted ones."""
-    if name not in BACKENDS:
-        raise ValueError(f"model.attention_backend={name!r} is not one of {sorted(BACKENDS)}")
-    return BACKENDS[name]
+  """Looks up an attention backend by name, with an error listing the accepted ones."""
+  if name not in BACKENDS:
+    raise ValueError(f"model.attention_backend={name!r} is not one of {sorted(BACKENDS)}")
+  return BACKENDS[name]

@@ -31,138 +31,192 @@ REMAT_POLICIES = {
 
 @dataclasses.dataclass(frozen=True)
 class LayerSpec:
-    """Hyperparameters of one Transformer layer."""
+  """Hyperparameters of one Transformer layer."""
 
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    mlp_dim: int
-    mlp_activation: str = "relu"
-    gated_mlp: bool = False
-    norm: str = "layernorm"
-    norm_eps: float = 1e-6
-    norm_bias: bool = True
-    pre_norm: bool = True
-    attention_bias: bool = False
-    mlp_bias: bool = True
-    attention_scale: float | None = None
-    rope_theta: float | None = None
-    dropout_rate: float = 0.0
-    attention_dropout_rate: float = 0.0
-    mlp_inner_dropout_rate: float = 0.0
-    attention_backend: str = "dense"
-    cross_attention: bool = False
-    kernel_init: Any = nn.initializers.lecun_normal()
-    output_init: Any = None
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  mlp_dim: int
+  mlp_activation: str = "relu"
+  gated_mlp: bool = False
+  norm: str = "layernorm"
+  norm_eps: float = 1e-6
+  norm_bias: bool = True
+  pre_norm: bool = True
+  attention_bias: bool = False
+  mlp_bias: bool = True
+  attention_scale: float | None = None
+  rope_theta: float | None = None
+  dropout_rate: float = 0.0
+  attention_dropout_rate: float = 0.0
+  mlp_inner_dropout_rate: float = 0.0
+  attention_backend: str = "dense"
+  cross_attention: bool = False
+  kernel_init: Any = nn.initializers.lecun_normal()
+  output_init: Any = None
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
 
 
 class TransformerLayer(nn.Module):
-    """x -> self-attention -> [cross-attention] -> MLP, each a pre- or post-norm residual."""
+  """x -> self-attention -> [cross-attention] -> MLP, each a pre- or post-norm residual."""
 
-    spec: LayerSpec
-    train: bool = False
-    decode: bool = False
+  spec: LayerSpec
+  train: bool = False
+  decode: bool = False
 
-    @nn.compact
-    def __call__(self, x_BTD: Array, encoded_BSD: Array | None, self_mask: Array | None,
-                 self_bias: Array | None, cross_mask: Array | None,
-                 positions_BT: Array | None) -> Array:
-        s = self.spec
-        drop = nn.Dropout(s.dropout_rate, deterministic=not self.train)
+  @nn.compact
+  def __call__(
+      self,
+      x_BTD: Array,
+      encoded_BSD: Array | None,
+      self_mask: Array | None,
+      self_bias: Array | None,
+      cross_mask: Array | None,
+      positions_BT: Array | None,
+  ) -> Array:
+    s = self.spec
+    drop = nn.Dropout(s.dropout_rate, deterministic=not self.train)
 
-        def norm(name: str) -> nn.Module:
-            return make_norm(s.norm, eps=s.norm_eps, use_bias=s.norm_bias, dtype=s.dtype,
-                             param_dtype=s.param_dtype, name=name)
+    def norm(name: str) -> nn.Module:
+      return make_norm(
+          s.norm,
+          eps=s.norm_eps,
+          use_bias=s.norm_bias,
+          dtype=s.dtype,
+          param_dtype=s.param_dtype,
+          name=name,
+      )
 
-        def attention(name: str) -> MultiHeadAttention:
-            return MultiHeadAttention(
-                num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
-                use_bias=s.attention_bias, dropout_rate=s.attention_dropout_rate,
-                backend=s.attention_backend, scale=s.attention_scale,
-                rope_theta=s.rope_theta if name == "self_attention" else None,
-                kernel_init=s.kernel_init, output_init=s.output_init,
-                dtype=s.dtype, param_dtype=s.param_dtype, name=name)
+    def attention(name: str) -> MultiHeadAttention:
+      return MultiHeadAttention(
+          num_heads=s.num_heads,
+          num_kv_heads=s.num_kv_heads,
+          head_dim=s.head_dim,
+          use_bias=s.attention_bias,
+          dropout_rate=s.attention_dropout_rate,
+          backend=s.attention_backend,
+          scale=s.attention_scale,
+          rope_theta=s.rope_theta if name == "self_attention" else None,
+          kernel_init=s.kernel_init,
+          output_init=s.output_init,
+          dtype=s.dtype,
+          param_dtype=s.param_dtype,
+          name=name,
+      )
 
-        self_attention = attention("self_attention")
-        x_BTD = residual(
-            x_BTD,
-            lambda h: self_attention(h, mask=self_mask, bias=self_bias,
-                                     query_positions=positions_BT, key_positions=positions_BT,
-                                     train=self.train, decode=self.decode),
-            norm("self_attention_norm"), pre_norm=s.pre_norm, dropout=drop)
-        if s.cross_attention:
-            cross_attention = attention("cross_attention")
-            x_BTD = residual(
-                x_BTD,
-                lambda h: cross_attention(h, encoded_BSD, mask=cross_mask, is_cross=True,
-                                          train=self.train, decode=self.decode),
-                norm("cross_attention_norm"), pre_norm=s.pre_norm, dropout=drop)
-        mlp_cls = GatedMlp if s.gated_mlp else Mlp
-        mlp = mlp_cls(hidden=s.mlp_dim, activation=s.mlp_activation, use_bias=s.mlp_bias,
-                      inner_dropout_rate=s.mlp_inner_dropout_rate, kernel_init=s.kernel_init,
-                      output_init=s.output_init, dtype=s.dtype, param_dtype=s.param_dtype,
-                      name="mlp")
-        x_BTD = residual(x_BTD, lambda h: mlp(h, train=self.train), norm("mlp_norm"),
-                         pre_norm=s.pre_norm, dropout=drop)
-        return nn.with_logical_constraint(x_BTD, ("act_batch", "act_len", "act_embed"))
+    self_attention = attention("self_attention")
+    x_BTD = residual(
+        x_BTD,
+        lambda h: self_attention(
+            h,
+            mask=self_mask,
+            bias=self_bias,
+            query_positions=positions_BT,
+            key_positions=positions_BT,
+            train=self.train,
+            decode=self.decode,
+        ),
+        norm("self_attention_norm"),
+        pre_norm=s.pre_norm,
+        dropout=drop,
+    )
+    if s.cross_attention:
+      cross_attention = attention("cross_attention")
+      x_BTD = residual(
+          x_BTD,
+          lambda h: cross_attention(
+              h, encoded_BSD, mask=cross_mask, is_cross=True, train=self.train, decode=self.decode
+          ),
+          norm("cross_attention_norm"),
+          pre_norm=s.pre_norm,
+          dropout=drop,
+      )
+    mlp_cls = GatedMlp if s.gated_mlp else Mlp
+    mlp = mlp_cls(
+        hidden=s.mlp_dim,
+        activation=s.mlp_activation,
+        use_bias=s.mlp_bias,
+        inner_dropout_rate=s.mlp_inner_dropout_rate,
+        kernel_init=s.kernel_init,
+        output_init=s.output_init,
+        dtype=s.dtype,
+        param_dtype=s.param_dtype,
+        name="mlp",
+    )
+    x_BTD = residual(
+        x_BTD,
+        lambda h: mlp(h, train=self.train),
+        norm("mlp_norm"),
+        pre_norm=s.pre_norm,
+        dropout=drop,
+    )
+    return nn.with_logical_constraint(x_BTD, ("act_batch", "act_len", "act_embed"))
 
 
 class _ScannedLayer(nn.Module):
-    """Adapter giving TransformerLayer the (carry, *broadcast) -> (carry, None) form of nn.scan."""
+  """Adapter giving TransformerLayer the (carry, *broadcast) -> (carry, None) form of nn.scan."""
 
-    spec: LayerSpec
-    train: bool = False
-    decode: bool = False
-    remat_policy: str = "none"
+  spec: LayerSpec
+  train: bool = False
+  decode: bool = False
+  remat_policy: str = "none"
 
-    @nn.compact
-    def __call__(self, x_BTD, encoded_BSD, self_mask, self_bias, cross_mask, positions_BT):
-        layer_cls = _maybe_remat(TransformerLayer, self.remat_policy)
-        layer = layer_cls(self.spec, train=self.train, decode=self.decode, name="layer")
-        return layer(x_BTD, encoded_BSD, self_mask, self_bias, cross_mask, positions_BT), None
+  @nn.compact
+  def __call__(self, x_BTD, encoded_BSD, self_mask, self_bias, cross_mask, positions_BT):
+    layer_cls = _maybe_remat(TransformerLayer, self.remat_policy)
+    layer = layer_cls(self.spec, train=self.train, decode=self.decode, name="layer")
+    return layer(x_BTD, encoded_BSD, self_mask, self_bias, cross_mask, positions_BT), None
 
 
 def _maybe_remat(cls, policy: str):
-    if policy not in REMAT_POLICIES:
-        raise ValueError(f"model.remat_policy={policy!r} is not one of {sorted(REMAT_POLICIES)}")
-    if policy == "none":
-        return cls
-    return nn.remat(cls, policy=REMAT_POLICIES[policy], prevent_cse=False)
+  if policy not in REMAT_POLICIES:
+    raise ValueError(f"model.remat_policy={policy!r} is not one of {sorted(REMAT_POLICIES)}")
+  if policy == "none":
+    return cls
+  return nn.remat(cls, policy=REMAT_POLICIES[policy], prevent_cse=False)
 
 
 class TransformerStack(nn.Module):
-    """`num_layers` TransformerLayers, unrolled (`layer_{i}`) or scanned (`layers/layer`)."""
+  """`num_layers` TransformerLayers, unrolled (`layer_{i}`) or scanned (`layers/layer`)."""
 
-    spec: LayerSpec
-    num_layers: int
-    scan_layers: bool = False
-    remat_policy: str = "none"
+  spec: LayerSpec
+  num_layers: int
+  scan_layers: bool = False
+  remat_policy: str = "none"
 
-    @nn.compact
-    def __call__(self, x_BTD: Array, *, encoded_BSD: Array | None = None,
-                 self_mask: Array | None = None, self_bias: Array | None = None,
-                 cross_mask: Array | None = None, positions_BT: Array | None = None,
-                 train: bool = False, decode: bool = False) -> Array:
-        args = (encoded_BSD, self_mask, self_bias, cross_mask, positions_BT)
-        if self.scan_layers:
-            if decode:
-                raise ValueError("decoding needs model.scan_layers=False: the KV cache is kept "
-                                 "per unrolled layer")
-            scanned = nn.scan(
-                _ScannedLayer,
-                variable_axes={"params": 0},
-                split_rngs={"params": True, "dropout": True},
-                in_axes=(nn.broadcast,) * len(args),
-                length=self.num_layers,
-                metadata_params={nn.PARTITION_NAME: "layers"},
-            )
-            x_BTD, _ = scanned(self.spec, train=train, decode=decode,
-                               remat_policy=self.remat_policy, name="layers")(x_BTD, *args)
-            return x_BTD
-        layer_cls = _maybe_remat(TransformerLayer, self.remat_policy)
-        for i in range(self.num_layers):
-            x_BTD = layer_cls(self.spec, train=train, decode=decode, name=f"layer_{i}")(
-                x_BTD, *args)
-        return x_BTD
+  @nn.compact
+  def __call__(
+      self,
+      x_BTD: Array,
+      *,
+      encoded_BSD: Array | None = None,
+      self_mask: Array | None = None,
+      self_bias: Array | None = None,
+      cross_mask: Array | None = None,
+      positions_BT: Array | None = None,
+      train: bool = False,
+      decode: bool = False,
+  ) -> Array:
+    args = (encoded_BSD, self_mask, self_bias, cross_mask, positions_BT)
+    if self.scan_layers:
+      if decode:
+        raise ValueError(
+            "decoding needs model.scan_layers=False: the KV cache is kept " "per unrolled layer"
+        )
+      scanned = nn.scan(
+          _ScannedLayer,
+          variable_axes={"params": 0},
+          split_rngs={"params": True, "dropout": True},
+          in_axes=(nn.broadcast,) * len(args),
+          length=self.num_layers,
+          metadata_params={nn.PARTITION_NAME: "layers"},
+      )
+      x_BTD, _ = scanned(
+          self.spec, train=train, decode=decode, remat_policy=self.remat_policy, name="layers"
+      )(x_BTD, *args)
+      return x_BTD
+    layer_cls = _maybe_remat(TransformerLayer, self.remat_policy)
+    for i in range(self.num_layers):
+      x_BTD = layer_cls(self.spec, train=train, decode=decode, name=f"layer_{i}")(x_BTD, *args)
+    return x_BTD

@@ -9,28 +9,31 @@ Array = jnp.ndarray
 
 
 class Embed(nn.Module):
-    """Lookup table [num_embeddings, dim]; `attend` reuses it as the output projection."""
+  """Lookup table [num_embeddings, dim]; `attend` reuses it as the output projection."""
 
-    num_embeddings: int
-    dim: int
-    axes: tuple[str, str] = ("vocab", "embed")
-    embedding_init: nn.initializers.Initializer = nn.initializers.normal(0.02)
-    dtype: jnp.dtype = jnp.float32
-    param_dtype: jnp.dtype = jnp.float32
+  num_embeddings: int
+  dim: int
+  axes: tuple[str, str] = ("vocab", "embed")
+  embedding_init: nn.initializers.Initializer = nn.initializers.normal(0.02)
+  dtype: jnp.dtype = jnp.float32
+  param_dtype: jnp.dtype = jnp.float32
 
-    def setup(self):
-        self.embedding = self.param(
-            "embedding",
-            nn.with_logical_partitioning(self.embedding_init, self.axes),
-            (self.num_embeddings, self.dim),
-            self.param_dtype,
-        )
+  def setup(self):
+    self.embedding = self.param(
+        "embedding",
+        nn.with_logical_partitioning(self.embedding_init, self.axes),
+        (self.num_embeddings, self.dim),
+        self.param_dtype,
+    )
 
-    def __call__(self, ids_BT: Array) -> Array:
-        return jnp.take(self.embedding, ids_BT, axis=0).astype(self.dtype)
+  def __call__(self, ids_BT: Array) -> Array:
+    return jnp.take(self.embedding, ids_BT, axis=0).astype(self.dtype)
 
-    def attend(self, x_BTD: Array) -> Array:
-        """Tied output logits x·Eᵀ, accumulated and returned in float32."""
-        return jnp.einsum("btd,vd->btv", x_BTD.astype(self.dtype),
-                          self.embedding.astype(self.dtype),
-                          preferred_element_type=jnp.float32)
+  def attend(self, x_BTD: Array) -> Array:
+    """Tied output logits x·Eᵀ, accumulated and returned in float32."""
+    return jnp.einsum(
+        "btd,vd->btv",
+        x_BTD.astype(self.dtype),
+        self.embedding.astype(self.dtype),
+        preferred_element_type=jnp.float32,
+    )

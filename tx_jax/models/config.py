@@ -28,123 +28,152 @@ INITS = ("normal", "xavier_uniform")
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Model hyperparameters; see configs/common.py for each field's meaning."""
+  """Model hyperparameters; see configs/common.py for each field's meaning."""
 
-    family: str
-    vocab_size: int
-    d_model: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    mlp_dim: int
-    num_decoder_layers: int = 0
-    mlp_activation: str = "gelu"
-    gated_mlp: bool = False
-    norm: str = "layernorm"
-    norm_eps: float = 1e-5
-    norm_bias: bool = True
-    pre_norm: bool = True
-    embed_norm: bool = False
-    positions: str = "learned"
-    max_len: int = 512
-    rope_theta: float = 10000.0
-    relative_buckets: int = 32
-    relative_max_distance: int = 128
-    embed_scale: bool = False
-    tie_embeddings: bool = True
-    tied_output_rescale: bool = False
-    attention_bias: bool = True
-    mlp_bias: bool = True
-    scale_attention: bool = True
-    dropout_rate: float = 0.0
-    attention_dropout_rate: float = 0.0
-    mlp_inner_dropout_rate: float = 0.0
-    type_vocab_size: int = 0
-    pooler: bool = False
-    head: str = "none"
-    num_classes: int = 2
-    init: str = "normal"
-    init_std: float = 0.02
-    dtype: str = "float32"
-    param_dtype: str = "float32"
-    attention_backend: str = "dense"
-    scan_layers: bool = False
-    remat_policy: str = "none"
+  family: str
+  vocab_size: int
+  d_model: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  mlp_dim: int
+  num_decoder_layers: int = 0
+  mlp_activation: str = "gelu"
+  gated_mlp: bool = False
+  norm: str = "layernorm"
+  norm_eps: float = 1e-5
+  norm_bias: bool = True
+  pre_norm: bool = True
+  embed_norm: bool = False
+  positions: str = "learned"
+  max_len: int = 512
+  rope_theta: float = 10000.0
+  relative_buckets: int = 32
+  relative_max_distance: int = 128
+  embed_scale: bool = False
+  tie_embeddings: bool = True
+  tied_output_rescale: bool = False
+  attention_bias: bool = True
+  mlp_bias: bool = True
+  scale_attention: bool = True
+  dropout_rate: float = 0.0
+  attention_dropout_rate: float = 0.0
+  mlp_inner_dropout_rate: float = 0.0
+  type_vocab_size: int = 0
+  pooler: bool = False
+  head: str = "none"
+  num_classes: int = 2
+  init: str = "normal"
+  init_std: float = 0.02
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  attention_backend: str = "dense"
+  scan_layers: bool = False
+  remat_policy: str = "none"
 
-    @classmethod
-    def from_config(cls, model_cfg: Any) -> "ModelConfig":
-        """Builds and validates from `config.model`; unknown or missing fields are errors."""
-        values = dict(model_cfg.to_dict() if hasattr(model_cfg, "to_dict") else model_cfg)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"config.model has unknown fields {unknown}; accepted: {sorted(known)}")
-        config = cls(**values)
-        config.validate()
-        return config
+  @classmethod
+  def from_config(cls, model_cfg: Any) -> "ModelConfig":
+    """Builds and validates from `config.model`; unknown or missing fields are errors."""
+    values = dict(model_cfg.to_dict() if hasattr(model_cfg, "to_dict") else model_cfg)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+      raise ValueError(f"config.model has unknown fields {unknown}; accepted: {sorted(known)}")
+    config = cls(**values)
+    config.validate()
+    return config
 
-    def validate(self) -> None:
-        """Raises ValueError naming the field, its value and what is accepted."""
-        choices = {
-            "family": FAMILIES, "positions": POSITIONS, "head": HEADS, "norm": NORMS,
-            "mlp_activation": tuple(ACTIVATIONS), "dtype": tuple(DTYPES),
-            "param_dtype": tuple(DTYPES), "attention_backend": tuple(BACKENDS),
-            "remat_policy": tuple(REMAT_POLICIES), "init": INITS,
-        }
-        for name, accepted in choices.items():
-            value = getattr(self, name)
-            if value not in accepted:
-                raise ValueError(f"config.model.{name}={value!r} is not one of {list(accepted)}")
-        positive = ["vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
-                    "head_dim", "mlp_dim", "max_len"]
-        if self.family == "encdec":
-            positive.append("num_decoder_layers")
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"config.model.{name}={getattr(self, name)} must be > 0")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"config.model.num_heads={self.num_heads} must be a multiple of "
-                             f"config.model.num_kv_heads={self.num_kv_heads}")
-        if self.positions == "rope" and self.head_dim % 2:
-            raise ValueError(f"config.model.head_dim={self.head_dim} must be even for RoPE")
-        if self.positions == "sinusoidal" and self.d_model % 2:
-            raise ValueError(f"config.model.d_model={self.d_model} must be even for sinusoidal "
-                             "positions")
-        for name in ("dropout_rate", "attention_dropout_rate", "mlp_inner_dropout_rate"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"config.model.{name}={getattr(self, name)} must be in [0, 1)")
-        if self.head == "classification" and self.num_classes < 1:
-            raise ValueError(f"config.model.num_classes={self.num_classes} must be >= 1")
-        if self.head != "none" and self.family != "encoder":
-            raise ValueError(f"config.model.head={self.head!r} needs family 'encoder', "
-                             f"got {self.family!r}")
+  def validate(self) -> None:
+    """Raises ValueError naming the field, its value and what is accepted."""
+    choices = {
+        "family": FAMILIES,
+        "positions": POSITIONS,
+        "head": HEADS,
+        "norm": NORMS,
+        "mlp_activation": tuple(ACTIVATIONS),
+        "dtype": tuple(DTYPES),
+        "param_dtype": tuple(DTYPES),
+        "attention_backend": tuple(BACKENDS),
+        "remat_policy": tuple(REMAT_POLICIES),
+        "init": INITS,
+    }
+    for name, accepted in choices.items():
+      value = getattr(self, name)
+      if value not in accepted:
+        raise ValueError(f"config.model.{name}={value!r} is not one of {list(accepted)}")
+    positive = [
+        "vocab_size",
+        "d_model",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "mlp_dim",
+        "max_len",
+    ]
+    if self.family == "encdec":
+      positive.append("num_decoder_layers")
+    for name in positive:
+      if getattr(self, name) <= 0:
+        raise ValueError(f"config.model.{name}={getattr(self, name)} must be > 0")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f"config.model.num_heads={self.num_heads} must be a multiple of "
+          f"config.model.num_kv_heads={self.num_kv_heads}"
+      )
+    if self.positions == "rope" and self.head_dim % 2:
+      raise ValueError(f"config.model.head_dim={self.head_dim} must be even for RoPE")
+    if self.positions == "sinusoidal" and self.d_model % 2:
+      raise ValueError(
+          f"config.model.d_model={self.d_model} must be even for sinusoidal " "positions"
+      )
+    for name in ("dropout_rate", "attention_dropout_rate", "mlp_inner_dropout_rate"):
+      if not 0.0 <= getattr(self, name) < 1.0:
+        raise ValueError(f"config.model.{name}={getattr(self, name)} must be in [0, 1)")
+    if self.head == "classification" and self.num_classes < 1:
+      raise ValueError(f"config.model.num_classes={self.num_classes} must be >= 1")
+    if self.head != "none" and self.family != "encoder":
+      raise ValueError(
+          f"config.model.head={self.head!r} needs family 'encoder', " f"got {self.family!r}"
+      )
 
-    @property
-    def compute_dtype(self):
-        return DTYPES[self.dtype]
+  @property
+  def compute_dtype(self):
+    return DTYPES[self.dtype]
 
-    @property
-    def storage_dtype(self):
-        return DTYPES[self.param_dtype]
+  @property
+  def storage_dtype(self):
+    return DTYPES[self.param_dtype]
 
-    def kernel_init(self) -> nn.initializers.Initializer:
-        if self.init == "xavier_uniform":
-            return nn.initializers.xavier_uniform()
-        return nn.initializers.normal(self.init_std)
+  def kernel_init(self) -> nn.initializers.Initializer:
+    if self.init == "xavier_uniform":
+      return nn.initializers.xavier_uniform()
+    return nn.initializers.normal(self.init_std)
 
-    def layer_spec(self, *, cross_attention: bool = False) -> LayerSpec:
-        """The per-layer hyperparameters of this model's stacks."""
-        return LayerSpec(
-            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            mlp_dim=self.mlp_dim, mlp_activation=self.mlp_activation, gated_mlp=self.gated_mlp,
-            norm=self.norm, norm_eps=self.norm_eps, norm_bias=self.norm_bias,
-            pre_norm=self.pre_norm, attention_bias=self.attention_bias, mlp_bias=self.mlp_bias,
-            attention_scale=None if self.scale_attention else 1.0,
-            rope_theta=self.rope_theta if self.positions == "rope" else None,
-            dropout_rate=self.dropout_rate, attention_dropout_rate=self.attention_dropout_rate,
-            mlp_inner_dropout_rate=self.mlp_inner_dropout_rate,
-            attention_backend=self.attention_backend, cross_attention=cross_attention,
-            kernel_init=self.kernel_init(), dtype=self.compute_dtype,
-            param_dtype=self.storage_dtype,
-        )
+  def layer_spec(self, *, cross_attention: bool = False) -> LayerSpec:
+    """The per-layer hyperparameters of this model's stacks."""
+    return LayerSpec(
+        num_heads=self.num_heads,
+        num_kv_heads=self.num_kv_heads,
+        head_dim=self.head_dim,
+        mlp_dim=self.mlp_dim,
+        mlp_activation=self.mlp_activation,
+        gated_mlp=self.gated_mlp,
+        norm=self.norm,
+        norm_eps=self.norm_eps,
+        norm_bias=self.norm_bias,
+        pre_norm=self.pre_norm,
+        attention_bias=self.attention_bias,
+        mlp_bias=self.mlp_bias,
+        attention_scale=None if self.scale_attention else 1.0,
+        rope_theta=self.rope_theta if self.positions == "rope" else None,
+        dropout_rate=self.dropout_rate,
+        attention_dropout_rate=self.attention_dropout_rate,
+        mlp_inner_dropout_rate=self.mlp_inner_dropout_rate,
+        attention_backend=self.attention_backend,
+        cross_attention=cross_attention,
+        kernel_init=self.kernel_init(),
+        dtype=self.compute_dtype,
+        param_dtype=self.storage_dtype,
+    )

@@ -16,73 +16,107 @@ Array = jnp.ndarray
 
 
 class Encoder(nn.Module):
-    """Bidirectional encoder. Returns, by `config.head`:
+  """Bidirectional encoder. Returns, by `config.head`:
 
-    "none": (sequence_BTD, pooled_BD or None); "mlm": logits_BTV;
-    "classification": logits_BC. Logits are float32.
-    """
+  "none": (sequence_BTD, pooled_BD or None); "mlm": logits_BTV;
+  "classification": logits_BC. Logits are float32.
+  """
 
-    config: ModelConfig
+  config: ModelConfig
 
-    @nn.compact
-    def __call__(self, inputs_BT: Array, *, token_type_ids: Array | None = None,
-                 segment_ids: Array | None = None, positions: Array | None = None,
-                 train: bool = False):
-        c = self.config
-        segment_ids = common.default_segment_ids(inputs_BT) if segment_ids is None else segment_ids
-        positions = common.default_positions(inputs_BT) if positions is None else positions
-        embed = common.token_embed(c)
-        x_BTD = common.embed_inputs(c, embed, common.position_embed(c, "position_embed"),
-                                     inputs_BT, positions)
-        if c.type_vocab_size:
-            token_type_ids = (jnp.zeros_like(inputs_BT) if token_type_ids is None
-                              else token_type_ids)
-            x_BTD = x_BTD + Embed(c.type_vocab_size, c.d_model, axes=("type_vocab", "embed"),
-                                  embedding_init=c.kernel_init(), dtype=c.compute_dtype,
-                                  param_dtype=c.storage_dtype, name="type_embed")(token_type_ids)
-        if c.embed_norm:
-            x_BTD = self._norm("embed_norm")(x_BTD)
-        x_BTD = nn.Dropout(c.dropout_rate)(x_BTD, deterministic=not train)
-        x_BTD = nn.with_logical_constraint(x_BTD, ("act_batch", "act_len", "act_embed"))
-        mask, bias = common.self_attention_inputs(
-            c, segment_ids, positions, causal=False, decode_slots=None,
-            relative_bias=common.relative_bias_module(c, bidirectional=True,
-                                                      name="relative_bias"))
-        x_BTD = TransformerStack(c.layer_spec(), c.num_layers, scan_layers=c.scan_layers,
-                                 remat_policy=c.remat_policy, name="stack")(
-            x_BTD, self_mask=mask, self_bias=bias, positions_BT=positions, train=train)
-        if c.pre_norm:
-            x_BTD = self._norm("final_norm")(x_BTD)
-        pooled_BD = None
-        if c.pooler:
-            pooled_BD = jnp.tanh(self._dense(c.d_model, ("embed", "mlp"), "pooler")(x_BTD[:, 0]))
-        if c.head == "mlm":
-            h_BTD = get_activation(c.mlp_activation)(
-                self._dense(c.d_model, ("embed", "mlp"), "mlm_transform")(x_BTD))
-            h_BTD = self._norm("mlm_norm")(h_BTD)
-            # Pin the layout before the tied projection: left to itself, XLA's SPMD
-            # partitioner produced wrong gradients here on a (2,2,2) data/fsdp/tensor mesh.
-            h_BTD = nn.with_logical_constraint(h_BTD, ("act_batch", "act_len", "act_embed"))
-            output_bias = self.param(
-                "mlm_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)),
-                (c.vocab_size,), c.storage_dtype)
-            return embed.attend(h_BTD) + output_bias.astype(jnp.float32)
-        if c.head == "classification":
-            if pooled_BD is None:
-                raise ValueError("config.model.head='classification' needs "
-                                 "config.model.pooler=True")
-            pooled_BD = nn.Dropout(c.dropout_rate)(pooled_BD, deterministic=not train)
-            logits = self._dense(c.num_classes, ("embed", None), "classifier")(pooled_BD)
-            return logits.astype(jnp.float32)
-        return x_BTD, pooled_BD
+  @nn.compact
+  def __call__(
+      self,
+      inputs_BT: Array,
+      *,
+      token_type_ids: Array | None = None,
+      segment_ids: Array | None = None,
+      positions: Array | None = None,
+      train: bool = False,
+  ):
+    c = self.config
+    segment_ids = common.default_segment_ids(inputs_BT) if segment_ids is None else segment_ids
+    positions = common.default_positions(inputs_BT) if positions is None else positions
+    embed = common.token_embed(c)
+    x_BTD = common.embed_inputs(
+        c, embed, common.position_embed(c, "position_embed"), inputs_BT, positions
+    )
+    if c.type_vocab_size:
+      token_type_ids = jnp.zeros_like(inputs_BT) if token_type_ids is None else token_type_ids
+      x_BTD = x_BTD + Embed(
+          c.type_vocab_size,
+          c.d_model,
+          axes=("type_vocab", "embed"),
+          embedding_init=c.kernel_init(),
+          dtype=c.compute_dtype,
+          param_dtype=c.storage_dtype,
+          name="type_embed",
+      )(token_type_ids)
+    if c.embed_norm:
+      x_BTD = self._norm("embed_norm")(x_BTD)
+    x_BTD = nn.Dropout(c.dropout_rate)(x_BTD, deterministic=not train)
+    x_BTD = nn.with_logical_constraint(x_BTD, ("act_batch", "act_len", "act_embed"))
+    mask, bias = common.self_attention_inputs(
+        c,
+        segment_ids,
+        positions,
+        causal=False,
+        decode_slots=None,
+        relative_bias=common.relative_bias_module(c, bidirectional=True, name="relative_bias"),
+    )
+    x_BTD = TransformerStack(
+        c.layer_spec(),
+        c.num_layers,
+        scan_layers=c.scan_layers,
+        remat_policy=c.remat_policy,
+        name="stack",
+    )(x_BTD, self_mask=mask, self_bias=bias, positions_BT=positions, train=train)
+    if c.pre_norm:
+      x_BTD = self._norm("final_norm")(x_BTD)
+    pooled_BD = None
+    if c.pooler:
+      pooled_BD = jnp.tanh(self._dense(c.d_model, ("embed", "mlp"), "pooler")(x_BTD[:, 0]))
+    if c.head == "mlm":
+      h_BTD = get_activation(c.mlp_activation)(
+          self._dense(c.d_model, ("embed", "mlp"), "mlm_transform")(x_BTD)
+      )
+      h_BTD = self._norm("mlm_norm")(h_BTD)
+      # Pin the layout before the tied projection: left to itself, XLA's SPMD
+      # partitioner produced wrong gradients here on a (2,2,2) data/fsdp/tensor mesh.
+      h_BTD = nn.with_logical_constraint(h_BTD, ("act_batch", "act_len", "act_embed"))
+      output_bias = self.param(
+          "mlm_bias",
+          nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)),
+          (c.vocab_size,),
+          c.storage_dtype,
+      )
+      return embed.attend(h_BTD) + output_bias.astype(jnp.float32)
+    if c.head == "classification":
+      if pooled_BD is None:
+        raise ValueError("config.model.head='classification' needs " "config.model.pooler=True")
+      pooled_BD = nn.Dropout(c.dropout_rate)(pooled_BD, deterministic=not train)
+      logits = self._dense(c.num_classes, ("embed", None), "classifier")(pooled_BD)
+      return logits.astype(jnp.float32)
+    return x_BTD, pooled_BD
 
-    def _norm(self, name: str) -> nn.Module:
-        c = self.config
-        return make_norm(c.norm, eps=c.norm_eps, use_bias=c.norm_bias, dtype=c.compute_dtype,
-                         param_dtype=c.storage_dtype, name=name)
+  def _norm(self, name: str) -> nn.Module:
+    c = self.config
+    return make_norm(
+        c.norm,
+        eps=c.norm_eps,
+        use_bias=c.norm_bias,
+        dtype=c.compute_dtype,
+        param_dtype=c.storage_dtype,
+        name=name,
+    )
 
-    def _dense(self, features: int, axes: tuple[str, str], name: str) -> nn.Dense:
-        c = self.config
-        return nn.Dense(features, kernel_init=nn.with_logical_partitioning(c.kernel_init(), axes),
-                        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[1:]),
-                        dtype=c.compute_dtype, param_dtype=c.storage_dtype, name=name)
+  def _dense(self, features: int, axes: tuple[str, str], name: str) -> nn.Dense:
+    c = self.config
+    return nn.Dense(
+        features,
+        kernel_init=nn.with_logical_partitioning(c.kernel_init(), axes),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[1:]),
+        dtype=c.compute_dtype,
+        param_dtype=c.storage_dtype,
+        name=name,
+    )

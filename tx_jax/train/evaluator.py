@@ -18,9 +18,14 @@ DECODE_METRICS = ("exact_match", "bleu")
 class Evaluator:
   """Evaluates params on `config.data.eval_split`; eval data are read once, on first use."""
 
-  def __init__(self, config: ml_collections.ConfigDict, module: Any,
-               eval_step: Callable[[Any, dict], dict], to_global: Callable[[dict], dict],
-               replicated: jax.sharding.Sharding):
+  def __init__(
+      self,
+      config: ml_collections.ConfigDict,
+      module: Any,
+      eval_step: Callable[[Any, dict], dict],
+      to_global: Callable[[dict], dict],
+      replicated: jax.sharding.Sharding,
+  ):
     self.config = config
     self.module = module
     self.eval_step = eval_step
@@ -40,7 +45,7 @@ class Evaluator:
   def _decode_pairs(self) -> list[tuple[str, str]]:
     if self._pairs is None:
       pairs = data.eval_examples(self.config, self.config.train.eval_split)
-      self._pairs = pairs[:self.config.train.decode_examples]
+      self._pairs = pairs[: self.config.train.decode_examples]
     return self._pairs
 
   def evaluate(self, params: Any) -> dict[str, float]:
@@ -51,8 +56,10 @@ class Evaluator:
       for k, v in sums.items():
         totals[k] = totals.get(k, 0.0) + float(v)
     weight = max(totals["weight_sum"], 1e-9)
-    result = {"eval_loss": totals["nll_sum"] / weight,
-              "eval_accuracy": totals["correct_sum"] / weight}
+    result = {
+        "eval_loss": totals["nll_sum"] / weight,
+        "eval_accuracy": totals["correct_sum"] / weight,
+    }
     if self.config.data.task == "lm":
       bits = result["eval_loss"] / math.log(2)
       name = "eval_bits_per_byte" if self.config.data.tokenizer == "byte" else "eval_bits_per_token"
@@ -75,16 +82,21 @@ class Evaluator:
     size = d.eval_global_batch_size
     outputs = []
     for begin in range(0, len(rows), size):
-      chunk = rows[begin:begin + size]
+      chunk = rows[begin : begin + size]
       ids = np.zeros((size, d.source_len), np.int32)
       for i, row in enumerate(chunk):
-        ids[i, :len(row)] = row
-      ids[len(chunk):, 0] = tok.eos_id  # filler rows need one real token; they are discarded
+        ids[i, : len(row)] = row
+      ids[len(chunk) :, 0] = tok.eos_id  # filler rows need one real token; they are discarded
       put = lambda x: jax.device_put(x, self.replicated)  # noqa: E731
       out = greedy.greedy_encdec(
-          self.module, params, put(ids), put((ids != 0).astype(np.int32)),
-          max_len=self.config.train.decode_max_len, start_id=tok.decoder_start_id,
-          eos_id=tok.eos_id)
+          self.module,
+          params,
+          put(ids),
+          put((ids != 0).astype(np.int32)),
+          max_len=self.config.train.decode_max_len,
+          start_id=tok.decoder_start_id,
+          eos_id=tok.eos_id,
+      )
       out = np.asarray(jax.device_get(out))
       outputs += [tok.decode(greedy.strip(out[i], tok.eos_id)) for i in range(len(chunk))]
     return outputs

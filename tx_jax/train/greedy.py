@@ -15,13 +15,21 @@ import numpy as np
 
 
 @functools.partial(jax.jit, static_argnames=("module", "max_len", "start_id", "eos_id"))
-def greedy_encdec(module: nn.Module, params: Any, encoder_inputs: jax.Array,
-                  encoder_segment_ids: jax.Array, *, max_len: int, start_id: int,
-                  eos_id: int) -> jax.Array:
+def greedy_encdec(
+    module: nn.Module,
+    params: Any,
+    encoder_inputs: jax.Array,
+    encoder_segment_ids: jax.Array,
+    *,
+    max_len: int,
+    start_id: int,
+    eos_id: int,
+) -> jax.Array:
   """Argmax target ids [B, max_len] for source ids [B, S]; 0 after each row's EOS."""
   variables = {"params": params}
-  encoded = module.apply(variables, encoder_inputs, encoder_segment_ids=encoder_segment_ids,
-                         method="encode")
+  encoded = module.apply(
+      variables, encoder_inputs, encoder_segment_ids=encoder_segment_ids, method="encode"
+  )
   batch = encoder_inputs.shape[0]
   # Column 0 holds the start id; column i + 1 receives the token predicted at step i.
   tokens = jnp.zeros((batch, max_len + 1), jnp.int32).at[:, 0].set(start_id)
@@ -30,10 +38,15 @@ def greedy_encdec(module: nn.Module, params: Any, encoder_inputs: jax.Array,
 
   def body(i, carry):
     tokens, done = carry
-    logits = module.apply(variables, encoded, tokens[:, :max_len],
-                          encoder_segment_ids=encoder_segment_ids,
-                          decoder_segment_ids=segments, decoder_positions=positions,
-                          method="decode")
+    logits = module.apply(
+        variables,
+        encoded,
+        tokens[:, :max_len],
+        encoder_segment_ids=encoder_segment_ids,
+        decoder_segment_ids=segments,
+        decoder_positions=positions,
+        method="decode",
+    )
     nxt = jnp.argmax(logits[:, i], axis=-1).astype(jnp.int32)
     nxt = jnp.where(done, 0, nxt)
     return tokens.at[:, i + 1].set(nxt), done | (nxt == eos_id)

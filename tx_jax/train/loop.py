@@ -41,25 +41,34 @@ def validate(config: ml_collections.ConfigDict) -> None:
   for name in ("steps", "log_every", "grad_accum_steps"):
     if t[name] < 1:
       raise ValueError(f"config.train.{name}={t[name]}: must be >= 1")
-  for name, value in (("train.eval_every", t.eval_every), ("checkpoint.every",
-                                                            config.checkpoint.every)):
+  for name, value in (
+      ("train.eval_every", t.eval_every),
+      ("checkpoint.every", config.checkpoint.every),
+  ):
     if value < 0:
       raise ValueError(f"config.{name}={value}: must be >= 0 (0 = only at the end)")
   if t.nonfinite not in NONFINITE:
     raise ValueError(f"config.train.nonfinite={t.nonfinite!r}: expected one of {NONFINITE}")
   unknown = set(t.decode_metrics) - set(evaluation.DECODE_METRICS)
   if unknown:
-    raise ValueError(f"config.train.decode_metrics has {sorted(unknown)}; accepted: "
-                     f"{evaluation.DECODE_METRICS}")
+    raise ValueError(
+        f"config.train.decode_metrics has {sorted(unknown)}; accepted: "
+        f"{evaluation.DECODE_METRICS}"
+    )
   if t.decode_metrics and config.model.family != "encdec":
-    raise ValueError(f"config.train.decode_metrics={tuple(t.decode_metrics)} needs an "
-                     f"encdec model, not config.model.family={config.model.family!r}")
+    raise ValueError(
+        f"config.train.decode_metrics={tuple(t.decode_metrics)} needs an "
+        f"encdec model, not config.model.family={config.model.family!r}"
+    )
   if config.model.family == "encoder" and config.model.head == "none":
-    raise ValueError("config.model.head='none' has no loss to train; use 'mlm' or "
-                     "'classification'")
+    raise ValueError(
+        "config.model.head='none' has no loss to train; use 'mlm' or " "'classification'"
+    )
   if config.data.global_batch_size % t.grad_accum_steps:
-    raise ValueError(f"config.data.global_batch_size={config.data.global_batch_size} is not "
-                     f"divisible by config.train.grad_accum_steps={t.grad_accum_steps}")
+    raise ValueError(
+        f"config.data.global_batch_size={config.data.global_batch_size} is not "
+        f"divisible by config.train.grad_accum_steps={t.grad_accum_steps}"
+    )
 
 
 def make_apply_fn(module: Any, model_cfg: ml_collections.ConfigDict) -> steps.ApplyFn:
@@ -67,8 +76,7 @@ def make_apply_fn(module: Any, model_cfg: ml_collections.ConfigDict) -> steps.Ap
 
   def apply_fn(params, batch, train, rng):
     args, kwargs = models.model_inputs(model_cfg, batch)
-    return module.apply({"params": params}, *args, **kwargs, train=train,
-                        rngs={"dropout": rng})
+    return module.apply({"params": params}, *args, **kwargs, train=train, rngs={"dropout": rng})
 
   return apply_fn
 
@@ -110,8 +118,11 @@ def dry_run_report(config: ml_collections.ConfigDict) -> str:
   module = models.build(config.model)
   seq_len, target_len = model_summary.sequence_lengths(config)
   ids = lambda n: jnp.zeros((1, n), jnp.int32)  # noqa: E731
-  example = ({"encoder_inputs": ids(seq_len), "decoder_inputs": ids(target_len)}
-             if config.model.family == "encdec" else {"inputs": ids(seq_len)})
+  example = (
+      {"encoder_inputs": ids(seq_len), "decoder_inputs": ids(target_len)}
+      if config.model.family == "encdec"
+      else {"inputs": ids(seq_len)}
+  )
   args, kwargs = models.model_inputs(config.model, example)
   mesh = sharding.make_mesh(config.mesh)
   rules = sharding.logical_rules(config)
@@ -119,16 +130,18 @@ def dry_run_report(config: ml_collections.ConfigDict) -> str:
   boxed = jax.eval_shape(init, jax.random.PRNGKey(0))
   tx, _ = optimizers.build_optimizer(config)
   opt_state = jax.eval_shape(tx.init, nn.unbox(boxed))
-  return "\n".join([model_summary.describe(config),
-                    sharding.describe_shardings(boxed, mesh, rules, opt_state)])
+  return "\n".join(
+      [model_summary.describe(config), sharding.describe_shardings(boxed, mesh, rules, opt_state)]
+  )
 
 
 def _host(tree: Any) -> Any:
   return jax.tree.map(np.asarray, jax.device_get(tree))
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path
-                       ) -> dict[str, Any]:
+def train_and_evaluate(
+    config: ml_collections.ConfigDict, workdir: str | pathlib.Path
+) -> dict[str, Any]:
   """Trains `config` in `workdir` (resuming from its checkpoints) and returns a summary.
 
   Writes config.json, metrics.jsonl, TensorBoard events under tensorboard/, checkpoints/
@@ -172,7 +185,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   restored = None
   if config.checkpoint.resume:
     restored = ckpt.restore_latest(
-        checkpoint_lib.abstract_with_shardings(abstract_state, shardings), train_iter)
+        checkpoint_lib.abstract_with_shardings(abstract_state, shardings), train_iter
+    )
   if restored is not None:
     state, start = restored
     pending_batch = None  # the iterator resumes exactly after the checkpoint's last batch
@@ -184,22 +198,36 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
 
   # Traced under the mesh and logical rules, so the models' activation constraints apply.
   train_step = jax.jit(
-      sharding.with_rules(functools.partial(
-          steps.train_step, apply_fn=apply_fn, tx=tx, schedule=schedule,
-          label_smoothing=config.loss.label_smoothing, z_loss=config.loss.z_loss,
-          grad_accum_steps=config.train.grad_accum_steps), mesh, rules),
-      in_shardings=(shardings, batch_sharding), out_shardings=(shardings, replicated),
-      donate_argnums=0)
+      sharding.with_rules(
+          functools.partial(
+              steps.train_step,
+              apply_fn=apply_fn,
+              tx=tx,
+              schedule=schedule,
+              label_smoothing=config.loss.label_smoothing,
+              z_loss=config.loss.z_loss,
+              grad_accum_steps=config.train.grad_accum_steps,
+          ),
+          mesh,
+          rules,
+      ),
+      in_shardings=(shardings, batch_sharding),
+      out_shardings=(shardings, replicated),
+      donate_argnums=0,
+  )
   eval_step = jax.jit(
       sharding.with_rules(functools.partial(steps.eval_step, apply_fn=apply_fn), mesh, rules),
-      in_shardings=(shardings.params, batch_sharding), out_shardings=replicated)
+      in_shardings=(shardings.params, batch_sharding),
+      out_shardings=replicated,
+  )
   evaluator = evaluation.Evaluator(config, module, eval_step, to_global, replicated)
 
-  counts = model_summary.count_params(models.ModelConfig.from_config(config.model),
-                                      nn.unbox(boxed_params))
+  counts = model_summary.count_params(
+      models.ModelConfig.from_config(config.model), nn.unbox(boxed_params)
+  )
   flops_per_token = model_summary.flops_per_token(
-      models.ModelConfig.from_config(config.model), counts,
-      *model_summary.sequence_lengths(config))
+      models.ModelConfig.from_config(config.model), counts, *model_summary.sequence_lengths(config)
+  )
   peak = metrics_lib.peak_flops(config.train.peak_flops)
 
   writer = metrics_lib.MetricWriter(workdir, start)
@@ -218,11 +246,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
       if t.nonfinite == "abort":
         raise NonFiniteLossError(
             f"non-finite loss or gradient at step {step} (config.train.nonfinite='abort'); "
-            f"the last good checkpoint is step {ckpt.latest_step()} in {ckpt.directory}")
+            f"the last good checkpoint is step {ckpt.latest_step()} in {ckpt.directory}"
+        )
       bar.write(f"step {step}: non-finite loss or gradient; update skipped")
     sums = {k: m[k] for k in ("loss_sum", "correct_sum", "weight_sum")}
-    window["sums"] = sums if window["sums"] is None else {
-        k: window["sums"][k] + sums[k] for k in sums}
+    window["sums"] = (
+        sums if window["sums"] is None else {k: window["sums"][k] + sums[k] for k in sums}
+    )
     window["tokens"] += tokens
     window["last"] = m
     if step % t.log_every == 0 or step == total:
@@ -230,10 +260,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
       s = window["sums"]
       denom = max(float(s["weight_sum"]), 1e-9)
       tokens_per_sec = window["tokens"] / elapsed
-      line = {"loss": float(s["loss_sum"]) / denom, "accuracy": float(s["correct_sum"]) / denom,
-              "learning_rate": float(m["learning_rate"]), "grad_norm": float(m["grad_norm"]),
-              "tokens_per_sec": tokens_per_sec,
-              "mfu": tokens_per_sec * flops_per_token / peak}
+      line = {
+          "loss": float(s["loss_sum"]) / denom,
+          "accuracy": float(s["correct_sum"]) / denom,
+          "learning_rate": float(m["learning_rate"]),
+          "grad_norm": float(m["grad_norm"]),
+          "tokens_per_sec": tokens_per_sec,
+          "mfu": tokens_per_sec * flops_per_token / peak,
+      }
       last_train.update(line)
       writer.write(step, line)
       bar.update(step, line)
@@ -254,8 +288,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
           pending = None
           window.update(tokens=0, time=time.time())
         is_eval = step == total or (t.eval_every and step % t.eval_every == 0)
-        is_save = step == total or (config.checkpoint.every and
-                                    step % config.checkpoint.every == 0)
+        is_save = step == total or (config.checkpoint.every and step % config.checkpoint.every == 0)
         stopping = stop.is_set()
         if is_eval or is_save or stopping:
           if pending is not None:
@@ -283,17 +316,25 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
       ckpt.close()
 
   final_step = int(jax.device_get(state.step))
-  result = {"step": final_step, "preempted": preempted, "workdir": str(workdir),
-            "wall_time_sec": time.time() - wall_start, "params": counts.total,
-            "skipped_updates": int(jax.device_get(state.skipped)), **last_train, **last_eval}
+  result = {
+      "step": final_step,
+      "preempted": preempted,
+      "workdir": str(workdir),
+      "wall_time_sec": time.time() - wall_start,
+      "params": counts.total,
+      "skipped_updates": int(jax.device_get(state.skipped)),
+      **last_train,
+      **last_eval,
+  }
   if not preempted and is_main:
     if t.plot:
       result["curves"] = str(metrics_lib.plot_curves(workdir))
     if t.decode_metrics and t.print_examples:
       for src, out, ref in evaluator.examples(state.params, t.print_examples):
         print(f"  {src!r} -> {out!r}   (reference {ref!r})")
-    print(f"metrics: {workdir / 'metrics.jsonl'}  curves: {result.get('curves', '-')}  "
-          f"TensorBoard: tensorboard --logdir {workdir / 'tensorboard'}")
+    print(
+        f"metrics: {workdir / 'metrics.jsonl'}  curves: {result.get('curves', '-')}  "
+        f"TensorBoard: tensorboard --logdir {workdir / 'tensorboard'}"
+    )
     (workdir / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
   return result
-

@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array, label_smoothing: float = 0.0,
-                  z_loss: float = 0.0) -> tuple[jax.Array, jax.Array]:
+def cross_entropy(
+    logits: jax.Array, targets: jax.Array, label_smoothing: float = 0.0, z_loss: float = 0.0
+) -> tuple[jax.Array, jax.Array]:
   """Per-position (smoothed loss + z-loss, plain NLL) for integer targets; all in float32.
 
   Smoothing is uniform over the vocabulary (target q = (1-eps)*onehot + eps/V), as in
@@ -29,8 +30,9 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, label_smoothing: float 
   return loss, nll
 
 
-def loss_sums(logits: jax.Array, batch: dict, label_smoothing: float = 0.0,
-              z_loss: float = 0.0) -> dict[str, jax.Array]:
+def loss_sums(
+    logits: jax.Array, batch: dict, label_smoothing: float = 0.0, z_loss: float = 0.0
+) -> dict[str, jax.Array]:
   """Weighted sums of loss, nll and correct predictions plus the weight total.
 
   Reads `labels` (classification, logits [B, C]) when present, else `targets` (logits
@@ -39,9 +41,15 @@ def loss_sums(logits: jax.Array, batch: dict, label_smoothing: float = 0.0,
   targets = batch["labels"] if "labels" in batch else batch["targets"]
   weights = batch["weights"].astype(jnp.float32)
   if logits.shape[:-1] != targets.shape:
-    raise ValueError(f"logits shape {logits.shape} does not match targets shape "
-                     f"{targets.shape} (+ a class/vocab axis)")
+    raise ValueError(
+        f"logits shape {logits.shape} does not match targets shape "
+        f"{targets.shape} (+ a class/vocab axis)"
+    )
   loss, nll = cross_entropy(logits, targets, label_smoothing, z_loss)
   correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
-  return {"loss_sum": jnp.sum(loss * weights), "nll_sum": jnp.sum(nll * weights),
-          "correct_sum": jnp.sum(correct * weights), "weight_sum": jnp.sum(weights)}
+  return {
+      "loss_sum": jnp.sum(loss * weights),
+      "nll_sum": jnp.sum(nll * weights),
+      "correct_sum": jnp.sum(correct * weights),
+      "weight_sum": jnp.sum(weights),
+  }

@@ -53,20 +53,29 @@ class MetricWriter:
       return
     # A resumed run replays the steps after its checkpoint: drop their old lines first.
     if self.path.exists():
-      kept = [line for line in self.path.read_text().splitlines()
-              if line.strip() and json.loads(line)["step"] <= start_step]
+      kept = [
+          line
+          for line in self.path.read_text().splitlines()
+          if line.strip() and json.loads(line)["step"] <= start_step
+      ]
       self.path.write_text("".join(line + "\n" for line in kept))
     import tensorboardX  # pylint: disable=g-import-not-at-top  # heavy; only process 0 needs it
-    self.tb = tensorboardX.SummaryWriter(str(workdir / "tensorboard"),
-                                         purge_step=start_step + 1 if start_step else None)
+
+    self.tb = tensorboardX.SummaryWriter(
+        str(workdir / "tensorboard"), purge_step=start_step + 1 if start_step else None
+    )
 
   def write(self, step: int, values: dict[str, Any]) -> None:
     """One line {"step": step, **values}."""
     if not self.enabled:
       return
     line = {"step": int(step)}
-    line.update({k: (float(v) if isinstance(v, (float, np.floating, np.ndarray, jax.Array))
-                     else v) for k, v in values.items()})
+    line.update(
+        {
+            k: float(v) if isinstance(v, (float, np.floating, np.ndarray, jax.Array)) else v
+            for k, v in values.items()
+        }
+    )
     with self.path.open("a") as f:
       f.write(json.dumps(line) + "\n")
     for key, value in line.items():
@@ -87,13 +96,13 @@ def read_metrics(workdir: str | pathlib.Path) -> list[dict]:
 def plot_curves(workdir: str | pathlib.Path) -> pathlib.Path:
   """curves.png: training loss and every eval metric against step."""
   import matplotlib  # pylint: disable=g-import-not-at-top
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
   rows = read_metrics(workdir)
   evals = sorted({k for r in rows for k in r if k.startswith("eval_")})
-  fig, axes = plt.subplots(1, 1 + len(evals), figsize=(4.5 * (1 + len(evals)), 3.5),
-                           squeeze=False)
+  fig, axes = plt.subplots(1, 1 + len(evals), figsize=(4.5 * (1 + len(evals)), 3.5), squeeze=False)
   for ax, key in zip(axes[0], ["loss"] + evals):
     points = [(r["step"], r[key]) for r in rows if key in r and r[key] is not None]
     if points:

@@ -29,27 +29,35 @@ def decay_mask(params: Any, no_decay: tuple[str, ...]) -> Any:
   """True for parameters that are decayed: those whose path matches none of `no_decay`."""
   patterns = [re.compile(p) for p in no_decay]
   return jax.tree_util.tree_map_with_path(
-      lambda path, _: not any(p.search(path_str(path)) for p in patterns), params)
+      lambda path, _: not any(p.search(path_str(path)) for p in patterns), params
+  )
 
 
-def build_optimizer(config: ml_collections.ConfigDict) -> tuple[optax.GradientTransformation,
-                                                                 optax.Schedule]:
+def build_optimizer(
+    config: ml_collections.ConfigDict,
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """The optimizer (clipping included) and its schedule, from the optimizer/schedule sections."""
   opt = config.optimizer
-  schedule = schedules.build_schedule(config.schedule, opt.learning_rate, config.train.steps,
-                                      config.model.d_model)
+  schedule = schedules.build_schedule(
+      config.schedule, opt.learning_rate, config.train.steps, config.model.d_model
+  )
   mask = lambda params: decay_mask(params, tuple(opt.no_decay))  # noqa: E731
   if opt.grad_clip_norm < 0:
     raise ValueError(f"config.optimizer.grad_clip_norm={opt.grad_clip_norm}: must be >= 0")
   if opt.name == "adamw":
-    tx = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps,
-                     weight_decay=opt.weight_decay, mask=mask)
+    tx = optax.adamw(
+        schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay, mask=mask
+    )
   elif opt.name == "adafactor":
     tx = optax.adafactor(
-        schedule, decay_rate=opt.adafactor_decay_rate,
+        schedule,
+        decay_rate=opt.adafactor_decay_rate,
         clipping_threshold=opt.adafactor_clipping_threshold or None,
-        multiply_by_parameter_scale=opt.adafactor_param_scale, factored=opt.adafactor_factored,
-        weight_decay_rate=opt.weight_decay or None, weight_decay_mask=mask)
+        multiply_by_parameter_scale=opt.adafactor_param_scale,
+        factored=opt.adafactor_factored,
+        weight_decay_rate=opt.weight_decay or None,
+        weight_decay_mask=mask,
+    )
   else:
     raise ValueError(f"config.optimizer.name={opt.name!r}: expected one of {OPTIMIZERS}")
   if opt.grad_clip_norm > 0:

@@ -26,15 +26,15 @@ class Progress:
     """Moves to `step`; `values` (loss, tokens_per_sec, eval_*) go in the bar or a line."""
     if not self.enabled:
       return
-    shown = {k: v for k, v in values.items()
-             if k in ("loss", "tokens_per_sec") or k.startswith("eval_")}
+    shown = {
+        k: v for k, v in values.items() if k in ("loss", "tokens_per_sec") or k.startswith("eval_")
+    }
     if self.bar is not None:
       self.bar.update(step - self.last)
       self.bar.set_postfix({k: f"{v:.4g}" for k, v in shown.items()}, refresh=False)
     else:
       text = "  ".join(f"{k}={v:.4g}" for k, v in shown.items())
-      print(f"step {step}/{self.total}  {text}  ({time.time() - self.start_time:.0f}s)",
-            flush=True)
+      print(f"step {step}/{self.total}  {text}  ({time.time() - self.start_time:.0f}s)", flush=True)
     self.last = step
 
   def write(self, text: str) -> None:

@@ -28,8 +28,12 @@ def inverse_sqrt_schedule(warmup_steps: int, scale: float = 1.0) -> optax.Schedu
   return schedule
 
 
-def build_schedule(schedule_cfg: ml_collections.ConfigDict, learning_rate: float,
-                   total_steps: int, d_model: int = 0) -> optax.Schedule:
+def build_schedule(
+    schedule_cfg: ml_collections.ConfigDict,
+    learning_rate: float,
+    total_steps: int,
+    d_model: int = 0,
+) -> optax.Schedule:
   """The optax schedule named by `config.schedule.name`; `learning_rate` is its peak/scale.
 
   `d_model` (config.model.d_model) is read by the paper's schedule only.
@@ -45,7 +49,8 @@ def build_schedule(schedule_cfg: ml_collections.ConfigDict, learning_rate: float
       return optax.constant_schedule(learning_rate)
     return optax.join_schedules(
         [optax.linear_schedule(0.0, learning_rate, warmup), optax.constant_schedule(learning_rate)],
-        [warmup])
+        [warmup],
+    )
   if name == "paper":
     if warmup <= 0:
       raise ValueError(f"config.schedule.warmup_steps={warmup}: the paper's schedule needs > 0")
@@ -56,13 +61,19 @@ def build_schedule(schedule_cfg: ml_collections.ConfigDict, learning_rate: float
     return inverse_sqrt_schedule(max(warmup, 1), learning_rate)
   decay_steps = schedule_cfg.decay_steps or total_steps
   if decay_steps <= warmup:
-    raise ValueError(f"config.schedule.decay_steps={decay_steps} (0 means train.steps="
-                     f"{total_steps}) must exceed warmup_steps={warmup}")
+    raise ValueError(
+        f"config.schedule.decay_steps={decay_steps} (0 means train.steps="
+        f"{total_steps}) must exceed warmup_steps={warmup}"
+    )
   end_value = learning_rate * schedule_cfg.end_factor
   if name == "warmup_cosine":
     return optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup, decay_steps, end_value)
   if name == "warmup_linear":
     return optax.join_schedules(
-        [optax.linear_schedule(0.0, learning_rate, warmup),
-         optax.linear_schedule(learning_rate, end_value, decay_steps - warmup)], [warmup])
+        [
+            optax.linear_schedule(0.0, learning_rate, warmup),
+            optax.linear_schedule(learning_rate, end_value, decay_steps - warmup),
+        ],
+        [warmup],
+    )
   raise AssertionError(name)  # unreachable: the name was validated above

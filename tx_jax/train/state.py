@@ -19,15 +19,21 @@ class TrainState(flax.struct.PyTreeNode):
   skipped: jax.Array  # int32: updates skipped because the loss or a gradient was non-finite
 
 
-def make_init_fn(init_params: Callable[[jax.Array], Any], tx: optax.GradientTransformation,
-                 seed: int) -> Callable[[], TrainState]:
+def make_init_fn(
+    init_params: Callable[[jax.Array], Any], tx: optax.GradientTransformation, seed: int
+) -> Callable[[], TrainState]:
   """A no-argument function building the initial state; params may carry logical boxes."""
 
   def init() -> TrainState:
     params_rng, state_rng = jax.random.split(jax.random.PRNGKey(seed))
     params = nn.unbox(init_params(params_rng))
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                      rng=state_rng, skipped=jnp.zeros((), jnp.int32))
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=tx.init(params),
+        rng=state_rng,
+        skipped=jnp.zeros((), jnp.int32),
+    )
 
   return init
 

@@ -22,15 +22,23 @@ def split_micro_batches(batch: dict, k: int) -> dict:
 
   def split(x):
     if x.shape[0] % k:
-      raise ValueError(f"global batch size {x.shape[0]} is not divisible by "
-                       f"config.train.grad_accum_steps={k}")
+      raise ValueError(
+          f"global batch size {x.shape[0]} is not divisible by "
+          f"config.train.grad_accum_steps={k}"
+      )
     return jnp.swapaxes(x.reshape((x.shape[0] // k, k) + x.shape[1:]), 0, 1)
 
   return jax.tree.map(split, batch)
 
 
-def _grad_sums(params: Any, batch: dict, rng: jax.Array, apply_fn: ApplyFn,
-               label_smoothing: float, z_loss: float) -> tuple[dict, Any]:
+def _grad_sums(
+    params: Any,
+    batch: dict,
+    rng: jax.Array,
+    apply_fn: ApplyFn,
+    label_smoothing: float,
+    z_loss: float,
+) -> tuple[dict, Any]:
   """Sums of the batch's losses and the gradient of the (unnormalised) loss sum."""
 
   def loss_fn(p):
@@ -42,10 +50,17 @@ def _grad_sums(params: Any, batch: dict, rng: jax.Array, apply_fn: ApplyFn,
   return sums, grads
 
 
-def train_step(state: TrainState, batch: dict, *, apply_fn: ApplyFn,
-               tx: optax.GradientTransformation, schedule: optax.Schedule,
-               label_smoothing: float = 0.0, z_loss: float = 0.0,
-               grad_accum_steps: int = 1) -> tuple[TrainState, dict]:
+def train_step(
+    state: TrainState,
+    batch: dict,
+    *,
+    apply_fn: ApplyFn,
+    tx: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    grad_accum_steps: int = 1,
+) -> tuple[TrainState, dict]:
   """One optimizer step on a global batch; skips the update when anything is non-finite.
 
   The loss is sum(loss * weights) / sum(weights) over the whole global batch, also with
@@ -59,13 +74,21 @@ def train_step(state: TrainState, batch: dict, *, apply_fn: ApplyFn,
 
     def body(carry, xs):
       i, mb = xs
-      s, g = _grad_sums(state.params, mb, jax.random.fold_in(rng, i), apply_fn,
-                        label_smoothing, z_loss)
+      s, g = _grad_sums(
+          state.params, mb, jax.random.fold_in(rng, i), apply_fn, label_smoothing, z_loss
+      )
       return jax.tree.map(jnp.add, carry, (s, g)), None
 
-    zeros = jax.tree.map(jnp.zeros_like, (
-        {k: jnp.zeros((), jnp.float32) for k in ("loss_sum", "nll_sum", "correct_sum",
-                                                 "weight_sum")}, state.params))
+    zeros = jax.tree.map(
+        jnp.zeros_like,
+        (
+            {
+                k: jnp.zeros((), jnp.float32)
+                for k in ("loss_sum", "nll_sum", "correct_sum", "weight_sum")
+            },
+            state.params,
+        ),
+    )
     (sums, grads), _ = jax.lax.scan(body, zeros, (jnp.arange(grad_accum_steps), micro))
   denom = jnp.maximum(sums["weight_sum"], 1.0)
   grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
@@ -76,11 +99,17 @@ def train_step(state: TrainState, batch: dict, *, apply_fn: ApplyFn,
   ok = jnp.isfinite(sums["loss_sum"]) & jnp.isfinite(grad_norm)
   keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
   new_state = state.replace(
-      step=state.step + 1, params=keep(new_params, state.params),
+      step=state.step + 1,
+      params=keep(new_params, state.params),
       opt_state=keep(new_opt_state, state.opt_state),
-      skipped=state.skipped + jnp.where(ok, 0, 1).astype(jnp.int32))
-  metrics = dict(sums, grad_norm=grad_norm, nonfinite=(~ok).astype(jnp.int32),
-                 learning_rate=schedule(state.step - state.skipped))
+      skipped=state.skipped + jnp.where(ok, 0, 1).astype(jnp.int32),
+  )
+  metrics = dict(
+      sums,
+      grad_norm=grad_norm,
+      nonfinite=(~ok).astype(jnp.int32),
+      learning_rate=schedule(state.step - state.skipped),
+  )
   return new_state, metrics
 
 
