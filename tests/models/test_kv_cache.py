@@ -100,7 +100,8 @@ def test_gqa_cache_holds_kv_heads_only():
   module, _, _ = model_and_params("llama")
   cache = _empty_cache(module, 3)
   key = cache["stack"]["layer_0"]["self_attention"]["cached_key"]
-  assert key.shape == (3, MAX_LEN, VARIANTS["llama"].num_kv_heads, VARIANTS["llama"].head_dim)
+  # Stored [B, K, S, H]: the layout the attention product reads, no per-step transpose.
+  assert key.shape == (3, VARIANTS["llama"].num_kv_heads, MAX_LEN, VARIANTS["llama"].head_dim)
 
 
 def test_cross_attention_kv_are_computed_once():

@@ -166,27 +166,31 @@ class MultiHeadAttention(nn.Module):
     )(out_BTNH)
 
   def _append_to_cache(self, k_BTKH: Array, v_BTKH: Array) -> tuple[Array, Array]:
-    """Writes the new K/V at cache_index; returns the whole cache [B, S_max, K, H].
+    """Writes the new K/V at cache_index; returns the whole cache as [B, S_max, K, H].
 
-    On the call that creates the cache (init with a full-length input) the
-    new K/V are returned as they are and nothing is written.
+    The cache is stored [B, K, S_max, H], the layout the attention product reads, so a
+    decode step does not transpose the whole cache (which made a step's cost grow with
+    the cache length). On the call that creates the cache (init with a full-length
+    input) the new K/V are returned as they are and nothing is written.
     """
+    to_stored = lambda x: jnp.swapaxes(x, 1, 2)  # [B,T,K,H] <-> [B,K,T,H]
     initialized = self.has_variable("cache", "cached_key")
-    cached_key = self.variable("cache", "cached_key", jnp.zeros, k_BTKH.shape, k_BTKH.dtype)
-    cached_value = self.variable("cache", "cached_value", jnp.zeros, v_BTKH.shape, v_BTKH.dtype)
+    stored_shape = to_stored(k_BTKH).shape
+    cached_key = self.variable("cache", "cached_key", jnp.zeros, stored_shape, k_BTKH.dtype)
+    cached_value = self.variable("cache", "cached_value", jnp.zeros, stored_shape, v_BTKH.dtype)
     cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
     if not initialized:
       return k_BTKH, v_BTKH
     index = cache_index.value
-    start = (0, index, 0, 0)
+    start = (0, 0, index, 0)
     cached_key.value = jax.lax.dynamic_update_slice(
-        cached_key.value, k_BTKH.astype(cached_key.value.dtype), start
+        cached_key.value, to_stored(k_BTKH).astype(cached_key.value.dtype), start
     )
     cached_value.value = jax.lax.dynamic_update_slice(
-        cached_value.value, v_BTKH.astype(cached_value.value.dtype), start
+        cached_value.value, to_stored(v_BTKH).astype(cached_value.value.dtype), start
     )
     cache_index.value = index + k_BTKH.shape[1]
-    return cached_key.value, cached_value.value
+    return to_stored(cached_key.value), to_stored(cached_value.value)
 
   def _cross_kv(
       self, kv_BSD: Array | None, key_proj, value_proj, decode: bool
