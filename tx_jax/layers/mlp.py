@@ -38,8 +38,8 @@ def _dense(
   )
 
 
-class Mlp(nn.Module):
-  """x -> wo(dropout(act(wi(x)))): the paper's ReLU FFN, BERT / GPT-2's GELU FFN."""
+class _FeedForward(nn.Module):
+  """Fields and projections shared by Mlp and GatedMlp; subclasses define the hidden layer."""
 
   hidden: int
   activation: str = "relu"
@@ -50,73 +50,24 @@ class Mlp(nn.Module):
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
 
-  @nn.compact
-  def __call__(self, x_BTD: Array, *, train: bool = False) -> Array:
-    dim = x_BTD.shape[-1]
-    act = get_activation(self.activation)
-    h_BTF = act(
-        _dense(
-            self.hidden,
-            ("embed", "mlp"),
-            self.use_bias,
-            self.kernel_init,
-            self.dtype,
-            self.param_dtype,
-            "wi",
-        )(x_BTD)
-    )
-    h_BTF = nn.with_logical_constraint(h_BTF, ("act_batch", "act_len", "act_mlp"))
-    h_BTF = nn.Dropout(self.inner_dropout_rate)(h_BTF, deterministic=not train)
-    return _dense(
-        dim,
-        ("mlp", "embed"),
-        self.use_bias,
-        self.output_init or self.kernel_init,
-        self.dtype,
-        self.param_dtype,
-        "wo",
-    )(h_BTF)
-
-
-class GatedMlp(nn.Module):
-  """x -> wo(act(wi_0(x)) * wi_1(x)): GeGLU (T5 v1.1) with gelu_tanh, SwiGLU (LLaMA) with silu."""
-
-  hidden: int
-  activation: str = "silu"
-  use_bias: bool = False
-  inner_dropout_rate: float = 0.0
-  kernel_init: nn.initializers.Initializer = nn.initializers.lecun_normal()
-  output_init: nn.initializers.Initializer | None = None
-  dtype: jnp.dtype = jnp.float32
-  param_dtype: jnp.dtype = jnp.float32
-
-  @nn.compact
-  def __call__(self, x_BTD: Array, *, train: bool = False) -> Array:
-    dim = x_BTD.shape[-1]
-    act = get_activation(self.activation)
-    gate_BTF = act(
-        _dense(
-            self.hidden,
-            ("embed", "mlp"),
-            self.use_bias,
-            self.kernel_init,
-            self.dtype,
-            self.param_dtype,
-            "wi_0",
-        )(x_BTD)
-    )
-    up_BTF = _dense(
+  def _up(self, x_BTD: Array, name: str) -> Array:
+    """[B,T,D] -> [B,T,F] through the kernel `name` (logical axes embed x mlp)."""
+    dense = _dense(
         self.hidden,
         ("embed", "mlp"),
         self.use_bias,
         self.kernel_init,
         self.dtype,
         self.param_dtype,
-        "wi_1",
-    )(x_BTD)
-    h_BTF = nn.with_logical_constraint(gate_BTF * up_BTF, ("act_batch", "act_len", "act_mlp"))
+        name,
+    )
+    return dense(x_BTD)
+
+  def _down(self, h_BTF: Array, dim: int, train: bool) -> Array:
+    """Constrain, drop out, then project the hidden layer back to width `dim` ("wo")."""
+    h_BTF = nn.with_logical_constraint(h_BTF, ("act_batch", "act_len", "act_mlp"))
     h_BTF = nn.Dropout(self.inner_dropout_rate)(h_BTF, deterministic=not train)
-    return _dense(
+    dense = _dense(
         dim,
         ("mlp", "embed"),
         self.use_bias,
@@ -124,4 +75,27 @@ class GatedMlp(nn.Module):
         self.dtype,
         self.param_dtype,
         "wo",
-    )(h_BTF)
+    )
+    return dense(h_BTF)
+
+
+class Mlp(_FeedForward):
+  """x -> wo(dropout(act(wi(x)))): the paper's ReLU FFN, BERT / GPT-2's GELU FFN."""
+
+  @nn.compact
+  def __call__(self, x_BTD: Array, *, train: bool = False) -> Array:
+    act = get_activation(self.activation)
+    return self._down(act(self._up(x_BTD, "wi")), x_BTD.shape[-1], train)
+
+
+class GatedMlp(_FeedForward):
+  """x -> wo(act(wi_0(x)) * wi_1(x)): GeGLU (T5 v1.1) with gelu_tanh, SwiGLU (LLaMA) with silu."""
+
+  activation: str = "silu"
+  use_bias: bool = False
+
+  @nn.compact
+  def __call__(self, x_BTD: Array, *, train: bool = False) -> Array:
+    act = get_activation(self.activation)
+    h_BTF = act(self._up(x_BTD, "wi_0")) * self._up(x_BTD, "wi_1")
+    return self._down(h_BTF, x_BTD.shape[-1], train)
