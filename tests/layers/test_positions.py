@@ -112,3 +112,12 @@ def test_learned_positions_look_up_rows():
   variables = module.init(jax.random.PRNGKey(0), pos)
   table = np.asarray(nn.unbox(variables["params"])["embedding"])
   np.testing.assert_array_equal(np.asarray(module.apply(variables, pos))[0], table[[0, 3, 9]])
+
+
+def test_t5_buckets_without_a_log_range_use_the_last_bucket():
+  """max_distance = num_buckets // 2 (unidirectional) leaves no log-spaced range: distances
+  past the exact ones must land in the last bucket, not in a NaN cast to an index."""
+  rel = jnp.arange(-40, 1)
+  buckets = np.asarray(positions.t5_relative_position_bucket(rel, False, 32, 16))
+  np.testing.assert_array_equal(buckets[::-1][:16], np.arange(16))
+  np.testing.assert_array_equal(buckets[::-1][16:], 31)

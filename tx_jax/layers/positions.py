@@ -85,10 +85,15 @@ def t5_relative_position_bucket(
   is_small = distance < max_exact
   # Guard log(0): those entries take the exact branch anyway.
   log_ratio = jnp.log(jnp.maximum(distance, 1).astype(jnp.float32) / max_exact)
-  large = max_exact + (
-      log_ratio / math.log(max_distance / max_exact) * (num_buckets - max_exact)
-  ).astype(relative_position.dtype)
-  large = jnp.minimum(large, num_buckets - 1)
+  if max_distance > max_exact:
+    large = max_exact + (
+        log_ratio / math.log(max_distance / max_exact) * (num_buckets - max_exact)
+    ).astype(relative_position.dtype)
+    large = jnp.minimum(large, num_buckets - 1)
+  else:
+    # No log-spaced range (the formula would divide by log(1) = 0 and cast NaN to an
+    # index): every distance past the exact ones shares the last bucket.
+    large = jnp.full_like(distance, num_buckets - 1)
   return buckets + jnp.where(is_small, distance, large)
 
 
