@@ -7,7 +7,10 @@ randomly initialised, written as an HF directory with tx_jax.hf and loaded by
 `transformers.GPT2LMHeadModel`, so both sides run the same weights. Every run is greedy
 with EOS off, so each produces exactly `new` tokens per row. Reported: median tokens/s
 over --repeats timed runs after one untimed (compiling) run, per batch size and new
-length, and ms per new token (flat with the cache).
+length, and ms per new token. Next to it, the bytes one cached step must read: the weights
+and the KV cache (all allocated slots, K and V, every layer). At this tiny width the cache
+outgrows the weights, so a step's cost follows the cache bytes; on 2 CPU cores a step
+reads at memory bandwidth once no step copies the cache (tx_jax.decode.chunked_cache).
 
 Without the cache every step re-runs the whole fixed-size buffer (prompt + new), so each
 step costs the same; its tokens/s is timed over --nocache_steps steps of the jitted
@@ -55,6 +58,7 @@ def main(argv) -> None:
 
   from configs import gpt
   from tx_jax import decode, hf, models
+  from tx_jax.decode import chunked_cache
   from tx_jax.decode import models as dm
 
   news, batches = [int(n) for n in _NEW.value], [int(b) for b in _BATCH.value]
@@ -68,6 +72,7 @@ def main(argv) -> None:
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
 
   params = nn.meta.unbox(params)
+  weights_mb = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)) / 1e6
   rng = np.random.default_rng(0)
   results = {
       "preset": _PRESET.value,
@@ -100,6 +105,12 @@ def main(argv) -> None:
       t = _median_time(run, _REPEATS.value)
       row["cache_tokens_per_s"] = batch * new / t
       row["cache_ms_per_token"] = 1e3 * t / new
+      slots = chunked_cache.padded_length(_PROMPT_LEN.value, new, dm.CACHE_CHUNK)
+      m = config.model
+      row["kv_cache_mb_per_step"] = (
+          2 * m.num_layers * batch * m.num_kv_heads * slots * m.head_dim * 4 / 1e6
+      )
+      row["weights_mb_per_step"] = weights_mb
 
       step = dm.recompute_step_fn(module)
       buffers = dm.recompute_buffers(batch, _PROMPT_LEN.value + new - 1)

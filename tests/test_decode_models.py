@@ -16,6 +16,7 @@ import pytest
 
 from configs import gpt, t5, transformer
 from tx_jax import decode, models
+from tx_jax.decode import chunked_cache
 from tx_jax.decode import models as decode_models
 
 N_NEW = 7
@@ -124,14 +125,66 @@ def encdec(name):
   return module, params, reference_encdec(module, params, SOURCES, N_NEW, start_id=1)
 
 
+# The default chunk (one chunk for N_NEW tokens), a chunk of 2 (the recent buffer is
+# flushed into the long cache three times) and no chunking (the cache written every step).
+CHUNKS = [decode_models.CACHE_CHUNK, 2, 0]
+
+
+@pytest.mark.parametrize("cache_chunk", CHUNKS)
 @pytest.mark.parametrize("name", sorted(DECODERS))
-def test_cached_greedy_equals_uncached_argmax_loop(name):
+def test_cached_greedy_equals_uncached_argmax_loop(name, cache_chunk):
   module, params, expected = decoder(name)
   prompt = decode.make_prompt(PROMPTS, max_new_tokens=N_NEW, max_len=module.config.max_len)
   out = decode_models.generate(
-      module, params, prompt, decode_models.Strategy("greedy", max_new_tokens=N_NEW), eos_id=None
+      module,
+      params,
+      prompt,
+      decode_models.Strategy("greedy", max_new_tokens=N_NEW),
+      eos_id=None,
+      cache_chunk=cache_chunk,
   )
   assert_rows_equal(out, expected)
+
+
+@pytest.mark.parametrize("name", ["gpt2-learned", "sinusoidal-mqa", "t5-relative"])
+def test_chunked_decode_up_to_max_len(name):
+  """A decode near model.max_len, whose chunk-padded cache is longer than max_len."""
+  module, params, _ = decoder(name)
+  max_len = module.config.max_len
+  prompts = [[5, 9, 3], [7]]
+  n = max_len - 3  # the reference's buffer holds prompt + n = max_len tokens
+  assert chunked_cache.padded_length(3, n, 8) > max_len
+  want = reference_decoder(module, params, prompts, n)
+  prompt = decode.make_prompt(prompts, max_new_tokens=n, max_len=max_len)
+  out = decode_models.generate(
+      module, params, prompt, decode_models.Strategy("greedy", max_new_tokens=n), eos_id=None,
+      cache_chunk=8,
+  )
+  assert_rows_equal(out, want)
+
+
+def test_chunked_sampling_equals_unchunked():
+  """Same key, same tokens: chunking changes where K/V are stored, not what is sampled."""
+  module, params, _ = decoder("llama-rope-gqa")
+  prompt = decode.make_prompt(PROMPTS, max_new_tokens=9)
+  strategy = decode_models.Strategy("sample", max_new_tokens=9, temperature=1.5, top_p=0.9)
+  runs = [
+      decode_models.generate(
+          module, params, prompt, strategy, eos_id=None, rng=jax.random.key(4), cache_chunk=c
+      )
+      for c in (0, 3)
+  ]
+  np.testing.assert_array_equal(runs[0].tokens, runs[1].tokens)
+
+
+def test_bad_cache_chunk_is_refused():
+  module, params, _ = decoder("gpt2-learned")
+  prompt = decode.make_prompt(PROMPTS, max_new_tokens=3)
+  with pytest.raises(ValueError, match="cache_chunk=-1 must be an int >= 0"):
+    decode_models.generate(
+        module, params, prompt, decode_models.Strategy("greedy", max_new_tokens=3), eos_id=None,
+        cache_chunk=-1,
+    )
 
 
 @pytest.mark.parametrize("name", ["gpt2-learned", "llama-rope-gqa"])
@@ -161,8 +214,9 @@ def test_eos_stops_rows():
   assert int(out.lengths[0]) <= 3
 
 
+@pytest.mark.parametrize("cache_chunk", CHUNKS)
 @pytest.mark.parametrize("name", sorted(ENCDECS))
-def test_cached_greedy_translate_equals_uncached_argmax_loop(name):
+def test_cached_greedy_translate_equals_uncached_argmax_loop(name, cache_chunk):
   module, params, expected = encdec(name)
   tokens, segments = right_pad(SOURCES)
   out = decode_models.translate(
@@ -173,6 +227,7 @@ def test_cached_greedy_translate_equals_uncached_argmax_loop(name):
       decode_models.Strategy("greedy", max_new_tokens=N_NEW),
       eos_id=None,
       decoder_start_id=1,
+      cache_chunk=cache_chunk,
   )
   assert_rows_equal(out, expected)
 
@@ -264,3 +319,8 @@ def test_sharded_decode_equals_single_device():
   assert len(got.tokens.sharding.device_set) == 8
   np.testing.assert_array_equal(got.tokens, want.tokens)
   np.testing.assert_allclose(got.scores, want.scores, rtol=1e-5)
+  greedy = decode_models.Strategy("greedy", max_new_tokens=5)
+  want = decode_models.generate(module, params, prompt, greedy, eos_id=3, cache_chunk=2)
+  got = decode_models.generate(module, params, sharded, greedy, eos_id=3, cache_chunk=2)
+  assert len(got.tokens.sharding.device_set) == 8
+  np.testing.assert_array_equal(got.tokens, want.tokens)

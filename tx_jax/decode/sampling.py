@@ -1,4 +1,4 @@
-"""Greedy decoding and sampling (temperature, top-k, top-p) in one `lax.while_loop`.
+"""Greedy decoding and sampling (temperature, top-k, top-p) under jit, in `lax.while_loop`s.
 
 Everything here is written against a step function,
 
@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from tx_jax.decode import chunked_cache
 from tx_jax.decode.prompts import Prompt, check_max_new_tokens, check_sampling
 
 StepFn = Callable[[Any, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
@@ -104,8 +105,13 @@ def sample(
     top_k: int = 0,
     top_p: float = 1.0,
     prefill_fn: StepFn | None = None,
+    cache_chunk: int = 0,
 ) -> DecodeResult:
-  """Generates up to max_new_tokens per row, stopping rows at EOS; greedy=True takes argmax."""
+  """Generates up to max_new_tokens per row, stopping rows at EOS; greedy=True takes argmax.
+
+  cache_chunk > 0 decodes on a chunked KV cache (`chunked_cache`) flushed every
+  cache_chunk steps; the cache must then have `chunked_cache.padded_length` slots.
+  """
   check_max_new_tokens(max_new_tokens)
   if not greedy:
     check_sampling(temperature, top_k, top_p)
@@ -122,27 +128,48 @@ def sample(
   tokens_BN = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(token_B)
   done_B = token_B == eos_id if eos_id is not None else jnp.zeros((batch,), bool)
 
-  def cond(state):
-    i, _, _, done_B, _, _ = state
-    return (i < max_new_tokens) & ~jnp.all(done_B)
+  # With cache_chunk, the steps of a chunk only read the long KV cache (closed over,
+  # not carried), and it is written once per chunk; see chunked_cache.
+  frozen, live = chunked_cache.start(cache, cache_chunk) if cache_chunk else ({}, cache)
+  chunk = cache_chunk or max_new_tokens
+  live_part = (lambda c: chunked_cache.split(c)[1]) if cache_chunk else (lambda c: c)  # noqa: E731
 
-  def body(state):
-    i, tokens_BN, token_B, done_B, cache, rng = state
-    # Token i-1 sits at position prompt_length + i - 1 of its row.
-    positions_B1 = (lengths_B + i - 1)[:, None]
-    logits_B1V, cache = step_fn(
-        params, token_B[:, None], positions_B1, jnp.ones((batch, 1), jnp.int32), cache
+  def running(i, done_B, end):
+    return (i < end) & ~jnp.all(done_B)
+
+  def decode_chunk(outer):
+    i, tokens_BN, token_B, done_B, frozen, live, rng = outer
+    end = jnp.minimum(i + chunk, max_new_tokens)
+
+    def step(state):
+      i, tokens_BN, token_B, done_B, live, rng = state
+      # Token i-1 sits at position prompt_length + i - 1 of its row.
+      positions_B1 = (lengths_B + i - 1)[:, None]
+      logits_B1V, cache = step_fn(
+          params,
+          token_B[:, None],
+          positions_B1,
+          jnp.ones((batch, 1), jnp.int32),
+          chunked_cache.merge(frozen, live),
+      )
+      rng, key = jax.random.split(rng)
+      new_B = _select(logits_B1V[:, 0].astype(jnp.float32), key, greedy, temperature, top_k, top_p)
+      new_B = jnp.where(done_B, 0, new_B)
+      tokens_BN = jax.lax.dynamic_update_slice(tokens_BN, new_B[:, None], (0, i))
+      if eos_id is not None:
+        done_B = done_B | (new_B == eos_id)
+      return i + 1, tokens_BN, new_B, done_B, live_part(cache), rng
+
+    state = jax.lax.while_loop(
+        lambda s: running(s[0], s[3], end), step, (i, tokens_BN, token_B, done_B, live, rng)
     )
-    rng, key = jax.random.split(rng)
-    new_B = _select(logits_B1V[:, 0].astype(jnp.float32), key, greedy, temperature, top_k, top_p)
-    new_B = jnp.where(done_B, 0, new_B)
-    tokens_BN = jax.lax.dynamic_update_slice(tokens_BN, new_B[:, None], (0, i))
-    if eos_id is not None:
-      done_B = done_B | (new_B == eos_id)
-    return i + 1, tokens_BN, new_B, done_B, cache, rng
+    i, tokens_BN, token_B, done_B, live, rng = state
+    frozen, live = chunked_cache.flush(frozen, live)
+    return i, tokens_BN, token_B, done_B, frozen, live, rng
 
-  state = (jnp.int32(1), tokens_BN, token_B, done_B, cache, rng)
-  _, tokens_BN, _, _, _, _ = jax.lax.while_loop(cond, body, state)
+  state = (jnp.int32(1), tokens_BN, token_B, done_B, frozen, live, rng)
+  state = jax.lax.while_loop(lambda s: running(s[0], s[3], max_new_tokens), decode_chunk, state)
+  tokens_BN = state[1]
   return DecodeResult(tokens_BN, generated_lengths(tokens_BN, eos_id))
 
 
@@ -155,6 +182,7 @@ def greedy(
     max_new_tokens: int,
     eos_id: int | None,
     prefill_fn: StepFn | None = None,
+    cache_chunk: int = 0,
 ) -> DecodeResult:
   """Argmax decoding; see `sample`."""
   return sample(
@@ -166,4 +194,5 @@ def greedy(
       eos_id=eos_id,
       greedy=True,
       prefill_fn=prefill_fn,
+      cache_chunk=cache_chunk,
   )

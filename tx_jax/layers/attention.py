@@ -6,6 +6,9 @@ exception is decoding, where this layer owns the KV cache ("cache" collection):
 
 - self-attention appends the new K/V at `cache_index` and attends over all
   cache slots; the caller's mask is then [B, 1, T, S_max] over slots.
+- a chunked cache (`tx_jax.decode.chunked_cache`) also holds a short "recent"
+  buffer: decode steps write there and read the long cache without modifying it,
+  and the decode loop flushes recent into the long cache once per chunk.
 - cross-attention computes K/V once, on the call that receives the encoder
   output (`kv_BSD`), and reuses them on calls that pass `kv_BSD=None`.
 """
@@ -17,7 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tx_jax.layers.attention_backends import get_backend
+from tx_jax.layers.attention_backends import (
+    KeyValuePart,
+    dense_attention_over_parts,
+    get_backend,
+)
 from tx_jax.layers.positions import apply_rope
 
 Array = jnp.ndarray
@@ -127,6 +134,9 @@ class MultiHeadAttention(nn.Module):
       if self.rope_theta is not None:
         q_BTNH = apply_rope(q_BTNH, query_positions, self.rope_theta)
         k_BSKH = apply_rope(k_BSKH, key_positions, self.rope_theta)
+      if decode and self.has_variable("cache", "recent_key"):
+        out_BTNH = self._attend_chunked_cache(q_BTNH, k_BSKH, v_BSKH, mask, bias)
+        return self._output(out_BTNH, x_BTD.shape[-1])
       if decode:
         k_BSKH, v_BSKH = self._append_to_cache(k_BSKH, v_BSKH)
     q_BTNH = nn.with_logical_constraint(
@@ -151,11 +161,15 @@ class MultiHeadAttention(nn.Module):
         dropout_rng=None if deterministic else self.make_rng("dropout"),
         deterministic=deterministic,
     )
+    return self._output(out_BTNH, x_BTD.shape[-1])
+
+  def _output(self, out_BTNH: Array, features: int) -> Array:
+    """The output projection [B, T, N, H] -> [B, T, features]."""
     out_BTNH = nn.with_logical_constraint(
         out_BTNH, ("act_batch", "act_len", "act_heads", "act_head_dim")
     )
     return Projection(
-        features=(x_BTD.shape[-1],),
+        features=(features,),
         in_dims=2,
         names=("heads", "head_dim", "embed"),
         use_bias=self.use_bias,
@@ -191,6 +205,55 @@ class MultiHeadAttention(nn.Module):
     )
     cache_index.value = index + k_BTKH.shape[1]
     return to_stored(cached_key.value), to_stored(cached_value.value)
+
+  def _attend_chunked_cache(
+      self, q_BTNH: Array, k_BTKH: Array, v_BTKH: Array, mask_B1TS: Array, bias: Array | None
+  ) -> Array:
+    """A decode step on a chunked cache: new K/V go to the recent buffer, the long cache is
+    only read.
+
+    Slots below `flushed_index` live in the long cache (`cached_key`), slots from it on in
+    `recent_key` (recent slot j = cache slot flushed_index + j), so the step's writes touch
+    a [B, K, C, H] buffer and XLA need not copy the long cache to update it in place
+    inside the decode loop. The caller's mask and bias over all S_max slots are split the
+    same way; one softmax covers both parts.
+    """
+    if mask_B1TS is None:
+      raise ValueError("a chunked-cache decode step needs the slot mask [B, 1, T, S_max]")
+    to_stored = lambda x: jnp.swapaxes(x, 1, 2)  # [B,T,K,H] <-> [B,K,T,H]
+    cache_index = self.variable("cache", "cache_index")
+    flushed_index = self.get_variable("cache", "flushed_index")
+    recent_key = self.variable("cache", "recent_key")
+    recent_value = self.variable("cache", "recent_value")
+    start = (0, 0, cache_index.value - flushed_index, 0)
+    recent_key.value = jax.lax.dynamic_update_slice(
+        recent_key.value, to_stored(k_BTKH).astype(recent_key.value.dtype), start
+    )
+    recent_value.value = jax.lax.dynamic_update_slice(
+        recent_value.value, to_stored(v_BTKH).astype(recent_value.value.dtype), start
+    )
+    cache_index.value = cache_index.value + k_BTKH.shape[1]
+
+    chunk = recent_key.value.shape[2]
+    long_slots = mask_B1TS.shape[-1]
+    recent = lambda x: jax.lax.dynamic_slice_in_dim(x, flushed_index, chunk, axis=3)  # noqa: E731
+    long_part = KeyValuePart(
+        to_stored(self.get_variable("cache", "cached_key")),
+        to_stored(self.get_variable("cache", "cached_value")),
+        mask_B1TS & (jnp.arange(long_slots) < flushed_index),
+        bias,
+    )
+    recent_part = KeyValuePart(
+        to_stored(recent_key.value),
+        to_stored(recent_value.value),
+        recent(mask_B1TS),
+        None if bias is None else recent(jnp.broadcast_to(bias, bias.shape[:3] + (long_slots,))),
+    )
+    return dense_attention_over_parts(
+        q_BTNH,
+        (long_part, recent_part),
+        scale=self.scale if self.scale is not None else self.head_dim**-0.5,
+    )
 
   def _cross_kv(
       self, kv_BSD: Array | None, key_proj, value_proj, decode: bool

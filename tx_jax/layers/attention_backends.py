@@ -12,7 +12,8 @@ None; bias broadcastable to [B, N, T, S] or None.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Sequence
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,38 @@ def _zero_fully_masked_rows(out_BTNH: Array, mask_B1TS: Array | None) -> Array:
   return jnp.where(any_key_BT[:, :, None, None], out_BTNH, 0).astype(out_BTNH.dtype)
 
 
+def _grouped_logits(
+    q_BTKGH: Array, k_BSKH: Array, mask_B1TS: Array | None, bias: Array | None, scale: float
+) -> Array:
+  """Scaled, biased, masked float32 logits [B, K, G, T, S] (masked keys at the f32 minimum)."""
+  num_kv_heads = k_BSKH.shape[2]
+  logits_BKGTS = jnp.einsum(
+      "btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32
+  )
+  logits_BKGTS = logits_BKGTS * jnp.float32(scale)
+  if bias is not None:
+    logits_BKGTS = logits_BKGTS + _bias_to_groups(bias.astype(jnp.float32), num_kv_heads)
+  if mask_B1TS is not None:
+    logits_BKGTS = jnp.where(mask_B1TS[:, :, None], logits_BKGTS, jnp.finfo(jnp.float32).min)
+  return logits_BKGTS
+
+
+def _masked_softmax(logits_BKGTS: Array, mask_B1TS: Array | None) -> Array:
+  weights_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1)
+  if mask_B1TS is not None:
+    # Masked keys get exactly zero weight, and fully masked rows (whose
+    # softmax over equal minima is uniform) become all-zero.
+    weights_BKGTS = jnp.where(mask_B1TS[:, :, None], weights_BKGTS, 0.0)
+  return weights_BKGTS
+
+
+def _weighted_values(weights_BKGTS: Array, v_BSKH: Array) -> Array:
+  """sum_s w·v as [B, T, K, G, H]; the product is laid out [B, K, G, T, H], which XLA on
+  CPU computes without transposing V (a [B, T, ...] output made it copy V every step)."""
+  out_BKGTH = jnp.einsum("bkgts,bskh->bkgth", weights_BKGTS.astype(v_BSKH.dtype), v_BSKH)
+  return jnp.moveaxis(out_BKGTH, 3, 1)
+
+
 def dense_attention(
     q_BTNH: Array,
     k_BSKH: Array,
@@ -54,26 +87,39 @@ def dense_attention(
     deterministic: bool = True,
 ) -> Array:
   """Reference XLA attention; materialises the [B, N, T, S] weights. Softmax in float32."""
-  num_kv_heads = k_BSKH.shape[2]
-  q_BTKGH = _group_queries(q_BTNH, num_kv_heads)
-  logits_BKGTS = jnp.einsum(
-      "btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32
-  )
-  logits_BKGTS = logits_BKGTS * jnp.float32(scale)
-  if bias is not None:
-    logits_BKGTS = logits_BKGTS + _bias_to_groups(bias.astype(jnp.float32), num_kv_heads)
-  if mask_B1TS is not None:
-    mask_B11TS = mask_B1TS[:, :, None]
-    logits_BKGTS = jnp.where(mask_B11TS, logits_BKGTS, jnp.finfo(jnp.float32).min)
-  weights_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1)
-  if mask_B1TS is not None:
-    # Masked keys get exactly zero weight, and fully masked rows (whose
-    # softmax over equal minima is uniform) become all-zero.
-    weights_BKGTS = jnp.where(mask_B11TS, weights_BKGTS, 0.0)
+  q_BTKGH = _group_queries(q_BTNH, k_BSKH.shape[2])
+  logits_BKGTS = _grouped_logits(q_BTKGH, k_BSKH, mask_B1TS, bias, scale)
+  weights_BKGTS = _masked_softmax(logits_BKGTS, mask_B1TS)
   if not deterministic and dropout_rate > 0.0:
     keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights_BKGTS.shape)
     weights_BKGTS = jnp.where(keep, weights_BKGTS / (1.0 - dropout_rate), 0.0)
-  out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", weights_BKGTS.astype(v_BSKH.dtype), v_BSKH)
+  return _weighted_values(weights_BKGTS, v_BSKH).reshape(q_BTNH.shape)
+
+
+class KeyValuePart(NamedTuple):
+  """One slice of the keys a query sees: K/V [B, S_i, K, H], mask [B,1,T,S_i], bias or None."""
+
+  k_BSKH: Array
+  v_BSKH: Array
+  mask_B1TS: Array
+  bias: Array | None
+
+
+def dense_attention_over_parts(
+    q_BTNH: Array, parts: Sequence[KeyValuePart], *, scale: float
+) -> Array:
+  """dense_attention over the keys of all parts at once (one softmax), without concatenating
+  K/V: only the small logits are joined. The chunked KV cache decodes through this, reading
+  the long cache in place and the recent keys from a short buffer. No dropout (inference)."""
+  q_BTKGH = _group_queries(q_BTNH, parts[0].k_BSKH.shape[2])
+  logits = [_grouped_logits(q_BTKGH, p.k_BSKH, p.mask_B1TS, p.bias, scale) for p in parts]
+  mask_B1TS = jnp.concatenate([p.mask_B1TS for p in parts], axis=-1)
+  weights_BKGTS = _masked_softmax(jnp.concatenate(logits, axis=-1), mask_B1TS)
+  out_BTKGH, start = 0, 0
+  for part in parts:
+    size = part.k_BSKH.shape[1]
+    out_BTKGH = out_BTKGH + _weighted_values(weights_BKGTS[..., start : start + size], part.v_BSKH)
+    start += size
   return out_BTKGH.reshape(q_BTNH.shape)
 
 
