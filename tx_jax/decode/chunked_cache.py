@@ -45,13 +45,14 @@ def _flat(cache: Any) -> dict[tuple[str, ...], Any]:
 
 def start(cache: Any, chunk: int) -> tuple[dict, Any]:
   """(frozen, live) after the prefill: recent buffers added, flushed_index = cache_index."""
-  if not isinstance(cache, dict):
-    return {}, cache
   flat = _flat(cache)
+  if not flat:
+    return {}, cache
   for path, value in list(flat.items()):
     if path[-1] in _LONG:
       batch, heads, _, head_dim = value.shape
-      flat[path[:-1] + (_RECENT[path[-1]],)] = jnp.zeros((batch, heads, chunk, head_dim), value.dtype)
+      recent = jnp.zeros((batch, heads, chunk, head_dim), value.dtype)
+      flat[path[:-1] + (_RECENT[path[-1]],)] = recent
       flat[path[:-1] + ("flushed_index",)] = flat[path[:-1] + ("cache_index",)]
   return split(traverse_util.unflatten_dict(flat))
 
@@ -85,7 +86,6 @@ def flush(frozen: dict, live: Any) -> tuple[dict, Any]:
     recent = live_flat[layer + (_RECENT[path[-1]],)]
     flushed = live_flat[layer + ("flushed_index",)]
     long_flat[path] = jax.lax.dynamic_update_slice(value, recent, (0, 0, flushed, 0))
-  for path in long_flat:
-    if path[-1] == "cached_key":
-      live_flat[path[:-1] + ("flushed_index",)] = live_flat[path[:-1] + ("cache_index",)]
+  for layer in {path[:-1] for path in long_flat}:
+    live_flat[layer + ("flushed_index",)] = live_flat[layer + ("cache_index",)]
   return traverse_util.unflatten_dict(long_flat), traverse_util.unflatten_dict(live_flat)

@@ -247,7 +247,7 @@ class MultiHeadAttention(nn.Module):
         to_stored(recent_key.value),
         to_stored(recent_value.value),
         recent(mask_B1TS),
-        None if bias is None else recent(jnp.broadcast_to(bias, bias.shape[:3] + (long_slots,))),
+        None if bias is None else recent(bias),
     )
     return dense_attention_over_parts(
         q_BTNH,
