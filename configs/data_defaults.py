@@ -26,10 +26,23 @@ def data_config() -> ml_collections.ConfigDict:
   c.eval_files = ""  # files read for any other split
   c.text_files_document = "line"  # text_files unit of one example: "line" | "file"
   # --- tokenizer ---
-  c.tokenizer = "byte"  # byte | sentencepiece
+  # byte | sentencepiece | hf (a tokenizers tokenizer.json) | none (a converted model that came
+  # without a tokenizer: ids only)
+  c.tokenizer = "byte"
   c.spm_model_path = ""  # SentencePiece .model to load (T5's works); written by train_tokenizer
-  c.vocab_size = 8000  # pieces when experiments.train_tokenizer trains a SentencePiece model
+  # hf: a tokenizer.json, or a directory holding one (an HF model directory or a converted
+  # workdir); its tokenizer_config.json / special_tokens_map.json name the special tokens
+  c.tokenizer_path = ""
+  c.vocab_size = 8000  # pieces when experiments.train_tokenizer trains a tokenizer
   c.spm_model_type = "unigram"  # SentencePiece training algorithm: unigram | bpe
+  c.hf_model_type = "byte_bpe"  # tokenizer=hf training: byte_bpe (GPT-2) | bpe | unigram | wordpiece
+  # Special ids; None = the tokenizer's own. experiments.convert records an HF model's here, so
+  # decoding and fine-tuning use the ids the model was trained with. Batches always pad with 0
+  # (segment id 0); pad_id is the id HF names padding, written back by convert --to_hf.
+  c.bos_id = ml_collections.config_dict.placeholder(int)
+  c.eos_id = ml_collections.config_dict.placeholder(int)
+  c.pad_id = ml_collections.config_dict.placeholder(int)
+  c.decoder_start_id = ml_collections.config_dict.placeholder(int)  # seq2seq first decoder input
   c.num_sentinels = 100  # T5 extra ids on top of the vocabulary (sentinel 0 = last id)
   # --- lengths and batching ---
   c.seq_len = 128  # LM / encoder-only length T

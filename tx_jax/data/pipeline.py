@@ -98,6 +98,16 @@ def validate(data_cfg: ml_collections.ConfigDict, process_count: int = 1) -> Non
       )
 
 
+def check_vocab(config: ml_collections.ConfigDict) -> None:
+  """The tokenizer's ids fit config.model.vocab_size (when the config has a model section)."""
+  if "model" in config:
+    tokenizers.check_fits(
+        tokenizers.build_tokenizer(config.data),
+        config.model.vocab_size,
+        with_sentinels=config.data.task == "span_corruption",
+    )
+
+
 def lengths(data_cfg: ml_collections.ConfigDict) -> dict[str, int]:
   """Row length of every sequence feature the task produces."""
   if data_cfg.task in ("seq2seq", "span_corruption"):
@@ -229,8 +239,9 @@ class _Flatten(grain.experimental.FlatMapTransform):
 def _regular_ids(data_cfg, tok) -> np.ndarray:
   if data_cfg.task == "mlm" and tok.mask_id is None:
     raise ValueError(
-        f"data.task='mlm' needs a [MASK] id but data.spm_model_path="
-        f"{data_cfg.spm_model_path!r} has no '[MASK]' / '<mask>' piece"
+        f"data.task='mlm' needs a [MASK] id but the data.tokenizer={data_cfg.tokenizer!r} "
+        f"vocabulary (data.spm_model_path={data_cfg.spm_model_path!r}, data.tokenizer_path="
+        f"{data_cfg.tokenizer_path!r}) has no '[MASK]' / '<mask>' token"
     )
   return tok.regular_ids() if data_cfg.task == "mlm" else np.zeros(0, np.int32)
 
@@ -263,6 +274,7 @@ def build_train_iterator(
   data_cfg = config.data
   process_index, process_count = _process(process_index, process_count)
   validate(data_cfg, process_count)
+  check_vocab(config)
   num_shards = input_shards(data_cfg, process_count)
   records = sources.build_source(data_cfg, data_cfg.train_split)
   if len(records) < num_shards:
@@ -360,6 +372,7 @@ def build_eval_batches(
   data_cfg = config.data
   process_index, process_count = _process(process_index, process_count)
   validate(data_cfg, process_count)
+  check_vocab(config)
   rows = _eval_rows(data_cfg, split)
   local_batch = data_cfg.eval_global_batch_size // process_count
   per_process = math.ceil(len(rows) / process_count)

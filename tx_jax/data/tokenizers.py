@@ -1,4 +1,4 @@
-"""Tokenizers: UTF-8 bytes (default, nothing to download) and SentencePiece.
+"""Tokenizers: UTF-8 bytes (default, nothing to download), SentencePiece and HF tokenizer.json.
 
 Both share one id layout at the bottom (ARCHITECTURE.md): 0 pad, then eos / bos
 / mask, and T5-style sentinels counting down from the top of the vocabulary:
@@ -13,6 +13,12 @@ from collections.abc import Iterable
 import ml_collections
 import numpy as np
 import sentencepiece as spm
+
+from tx_jax.data.hf_tokenizer import HFTokenizer
+
+KINDS = ("byte", "sentencepiece", "hf", "none")
+# config.data fields that override a tokenizer's special ids (None: the tokenizer's own).
+ID_FIELDS = ("bos_id", "eos_id", "pad_id", "decoder_start_id")
 
 # SentencePiece pieces that play the BERT [MASK] role when a model has one.
 _MASK_PIECES = ("[MASK]", "<mask>")
@@ -188,16 +194,36 @@ class SentencePieceTokenizer:
     return np.array([i for i in range(self.base_vocab_size) if i not in special], np.int32)
 
 
-Tokenizer = ByteTokenizer | SentencePieceTokenizer
+Tokenizer = ByteTokenizer | SentencePieceTokenizer | HFTokenizer
 
 
 def build_tokenizer(data_cfg: ml_collections.ConfigDict) -> Tokenizer:
-  """The tokenizer named by data_cfg.tokenizer ("byte" | "sentencepiece")."""
+  """The tokenizer named by data_cfg.tokenizer ("byte" | "sentencepiece" | "hf")."""
   if data_cfg.tokenizer == "byte":
     return ByteTokenizer(num_sentinels=data_cfg.num_sentinels)
   if data_cfg.tokenizer == "sentencepiece":
     return SentencePieceTokenizer(data_cfg.spm_model_path, num_sentinels=data_cfg.num_sentinels)
-  raise ValueError(f"data.tokenizer={data_cfg.tokenizer!r}; accepted: 'byte', 'sentencepiece'")
+  if data_cfg.tokenizer == "hf":
+    overrides = {field: data_cfg[field] for field in ID_FIELDS}
+    return HFTokenizer(data_cfg.tokenizer_path, data_cfg.num_sentinels, overrides)
+  if data_cfg.tokenizer == "none":
+    raise ValueError(
+        "data.tokenizer='none': this model came without a tokenizer, so text cannot be "
+        "tokenized; set data.tokenizer='hf' with data.tokenizer_path=<tokenizer.json or HF "
+        "directory>, or 'sentencepiece' with data.spm_model_path (or decode with --prompt_ids)"
+    )
+  raise ValueError(f"data.tokenizer={data_cfg.tokenizer!r}; accepted: {', '.join(KINDS)}")
+
+
+def check_fits(tok: Tokenizer, model_vocab_size: int, *, with_sentinels: bool = True) -> None:
+  """Raises unless every id the tokenizer emits (sentinels too, when used) is < model.vocab_size."""
+  needed = tok.vocab_size if with_sentinels else tok.base_vocab_size
+  if needed > model_vocab_size:
+    sentinels = f" (incl. {tok.num_sentinels} sentinels)" if with_sentinels else ""
+    raise ValueError(
+        f"the tokenizer has {needed} ids{sentinels} but model.vocab_size={model_vocab_size}; "
+        f"raise model.vocab_size to >= {needed} or use a smaller vocabulary"
+    )
 
 
 def train_sentencepiece(
