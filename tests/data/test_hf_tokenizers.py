@@ -192,3 +192,38 @@ def test_pipelines_run_on_an_hf_tokenizer(task, trained, tmp_path):
   if task == "span_corruption":
     sentinels = {tok.sentinel_id(i) for i in range(tok.num_sentinels)}
     assert sentinels & set(np.asarray(batch["encoder_inputs"]).ravel())
+
+
+def test_train_tokenizer_command_trains_hf_kinds(tmp_path):
+  """`experiments.train_tokenizer --config.data.tokenizer=hf` writes a loadable tokenizer.json."""
+  import pathlib
+  import subprocess
+  import sys
+
+  text = tmp_path / "corpus.txt"
+  text.write_text("\n".join(f"the cat number {i} sat on the mat" for i in range(200)))
+  root = pathlib.Path(__file__).resolve().parents[2]
+  subprocess.run(
+      [
+          sys.executable,
+          "-m",
+          "experiments.train_tokenizer",
+          "--config=configs/gpt.py:tiny",
+          "--config.data.source=text_files",
+          "--config.data.task=lm",
+          f"--config.data.train_files={text}",
+          "--config.data.tokenizer=hf",
+          "--config.data.hf_model_type=wordpiece",
+          "--config.data.vocab_size=80",
+          f"--output={tmp_path / 'wp'}",
+      ],
+      cwd=root,
+      check=True,
+      capture_output=True,
+  )
+  theirs = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "wp" / "tokenizer.json"))
+  ours = tokenizers.build_tokenizer(
+      make_config(tokenizer="hf", tokenizer_path=str(tmp_path / "wp")).data
+  )
+  assert ours.encode("The cat sat") == theirs.encode("The cat sat", add_special_tokens=False)
+  assert ours.decode(ours.encode("The cat sat")) == "the cat sat"  # BERT-style lower case
