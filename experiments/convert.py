@@ -6,8 +6,10 @@ r"""Convert between HuggingFace model directories and tx_jax trainer workdirs.
 --from_hf writes OUT/config.json and a step-0 Orbax checkpoint (state + a fresh data
 iterator) under OUT/checkpoints, so experiments.train and experiments.decode resume from
 it. The config is configs/common.py's base config, or --config's (its training and data
-sections), with the model section taken from DIR. --to_hf writes the newest checkpoint of OUT as
-config.json + safetensors that transformers' from_pretrained loads.
+sections); the model section, the tokenizer (files copied to OUT/tokenizer/) and the special
+ids (config.data.bos_id / eos_id / pad_id / decoder_start_id) come from DIR. --to_hf writes
+the newest checkpoint of OUT as config.json + safetensors + tokenizer files that transformers'
+from_pretrained and AutoTokenizer load.
 """
 
 import sys
@@ -32,23 +34,16 @@ def main(argv) -> int:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if (_FROM_HF.value is None) == (_TO_HF.value is None):
     raise app.UsageError("give exactly one of --from_hf DIR or --to_hf OUT_HF")
-  from tx_jax import hf  # pylint: disable=g-import-not-at-top
+  from tx_jax import hf, workdir  # pylint: disable=g-import-not-at-top
 
   try:
     if _FROM_HF.value:
-      config, _, params = hf.from_pretrained(_FROM_HF.value)
-      if _CONFIG.value is not None:
-        model, config = config.model, _CONFIG.value
-        config.model = model
-      from tx_jax import data  # pylint: disable=g-import-not-at-top
-      # The trainer restores the data iterator with the state: save a fresh one.
-      where = hf.save_to_workdir(config, params, _WORKDIR.value, data.build_train_iterator(config))
+      where = workdir.import_hf(_FROM_HF.value, _WORKDIR.value, _CONFIG.value)
       print(f"wrote {_WORKDIR.value}/config.json and step 0 under {where}")
     else:
-      config, params, step = hf.load_from_workdir(_WORKDIR.value)
-      arch = hf.to_pretrained(config, params, _TO_HF.value)
+      arch, step = workdir.export_hf(_WORKDIR.value, _TO_HF.value)
       print(f"wrote step {step} of {_WORKDIR.value} as {arch.name} to {_TO_HF.value}")
-  except hf.ConversionError as e:
+  except (hf.ConversionError, FileNotFoundError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
   return 0

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from configs import t5
-from tx_jax import hf, models
+from tx_jax import hf, models, workdir as wd
 from tx_jax.interop.safetensors_io import read_weights
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -61,7 +61,7 @@ def test_convert_round_trip_through_a_workdir(hf_dir, tmp_path):
   assert written["model"] == json.loads(expected.model.to_json_best_effort())
 
   # The checkpoint holds exactly the converted params, at step 0.
-  config, restored, step = hf.load_from_workdir(workdir)
+  config, restored, step = wd.load(workdir)
   assert step == 0
   flat = lambda tree: dict(jax.tree_util.tree_leaves_with_path(tree))  # noqa: E731
   a, b = flat(params), flat(restored)

@@ -190,6 +190,56 @@ class Checkpointer:
     self.manager.close()
 
 
+def restore_params(
+    directory: str | pathlib.Path, abstract_params: Any, step: int | None = None
+) -> tuple[Any, int]:
+  """(params, step) of a saved TrainState, the newest step by default; nothing else is read.
+
+  `abstract_params` holds jax.ShapeDtypeStruct leaves with shardings. The params' own
+  fingerprints (saved in `meta`) are checked, so a damaged checkpoint is not decoded from.
+  """
+  directory = pathlib.Path(directory).absolute()
+  if not directory.is_dir():
+    raise FileNotFoundError(
+        f"no checkpoints/ directory in {directory.parent}; train first "
+        "(python -m experiments.train --workdir ...) or convert (python -m experiments.convert)"
+    )
+  manager = ocp.CheckpointManager(
+      directory,
+      item_names=("state", "meta"),
+      options=ocp.CheckpointManagerOptions(create=False, read_only=True),
+  )
+  try:
+    steps = sorted(manager.all_steps())
+    if not steps:
+      raise FileNotFoundError(f"{directory} holds no finished checkpoint")
+    if step is None:
+      step = steps[-1]
+    elif step not in steps:
+      raise ValueError(f"checkpoint step {step} is not in {directory}; available: {steps}")
+    item = {"params": abstract_params}
+    restore_args = ocp.checkpoint_utils.construct_restore_args(item)
+    restored = manager.restore(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True),
+            meta=ocp.args.JsonRestore(),
+        ),
+    )
+  finally:
+    manager.close()
+  params = restored["state"]["params"]
+  # TrainState flattens as (step, params..., opt_state..., rng, skipped): params come 2nd.
+  sums, _ = jax.device_get(fingerprint(params))
+  saved = restored["meta"]["fingerprints"][1 : 1 + len(sums)]
+  if [int(s) for s in sums] != saved:
+    raise CheckpointError(
+        f"checkpoint step {step} at {directory / str(step)}: restored params do not match the "
+        "fingerprints saved with them (damaged checkpoint)"
+    )
+  return params, step
+
+
 def abstract_with_shardings(state: Any, shardings: Any) -> Any:
   """jax.ShapeDtypeStruct leaves carrying the shardings to restore onto."""
   return jax.tree.map(

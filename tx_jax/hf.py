@@ -189,7 +189,7 @@ def from_pretrained(
   """(config, flax module, params) of a HuggingFace model directory.
 
   `config` is `configs.common.base_config()` with the model section filled (and the data
-  task set to the family's). `runtime` overrides RUNTIME_FIELDS of config.model, e.g.
+  task set to the family's); `tx_jax.workdir.from_hf_dir` adds the tokenizer and special ids. `runtime` overrides RUNTIME_FIELDS of config.model, e.g.
   dtype="bfloat16" or scan_layers=True; parameters are stored in config.model.param_dtype.
   """
   path = pathlib.Path(path)
@@ -221,9 +221,6 @@ def from_pretrained(
   task = _TASKS.get((mc.family, mc.head))
   if task is not None:
     config.data.task = task
-  if mc.family == "encdec" and (path / "spiece.model").is_file():
-    config.data.tokenizer = "sentencepiece"  # T5's vocabulary: pad 0, eos 1, unk 2
-    config.data.spm_model_path = str((path / "spiece.model").absolute())
   module = models.build(mc)
   return config, module, _load_params(arch, mc, weights, module, str(path))
 
@@ -324,65 +321,3 @@ def to_pretrained(
   write_weights(path, tensors, max_shard_bytes)
   (path / "config.json").write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
   return arch
-
-
-# --- the trainer's workdir layout: config.json + Orbax checkpoints under checkpoints/ ----
-
-
-def save_to_workdir(
-    config: ml_collections.ConfigDict,
-    params: Any,
-    workdir: str | pathlib.Path,
-    data_iter: Any = None,
-) -> pathlib.Path:
-  """Writes config.json and a step-0 TrainState checkpoint, as experiments.train would.
-
-  The optimizer state is freshly initialised from config.optimizer. `data_iter` (a fresh
-  `tx_jax.data.build_train_iterator(config)`) is saved with it, because the trainer
-  resumes the data iterator together with the state. Refuses a workdir that already
-  holds checkpoints. Returns the checkpoint directory.
-  """
-  from tx_jax import checkpoint  # pylint: disable=import-outside-toplevel
-  from tx_jax.train import optimizers, state  # pylint: disable=import-outside-toplevel
-
-  workdir = pathlib.Path(workdir)
-  manager = checkpoint.Checkpointer(workdir / "checkpoints", config.checkpoint)
-  try:
-    if manager.latest_step() is not None:
-      raise ConversionError(
-          f"{workdir} already holds checkpoints (latest step "
-          f"{manager.latest_step()}); choose an empty --workdir"
-      )
-    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2) + "\n")
-    tx, _ = optimizers.build_optimizer(config)
-    manager.save(0, state.make_init_fn(lambda _: params, tx, config.seed)(), data_iter)
-  finally:
-    manager.close()
-  return manager.directory
-
-
-def load_from_workdir(workdir: str | pathlib.Path) -> tuple[ml_collections.ConfigDict, Any, int]:
-  """(config, params, step) of the newest checkpoint in a trainer workdir."""
-  from tx_jax import checkpoint  # pylint: disable=import-outside-toplevel
-  from tx_jax.train import optimizers, state  # pylint: disable=import-outside-toplevel
-
-  workdir = pathlib.Path(workdir)
-  if not (workdir / "config.json").is_file():
-    raise ConversionError(f"{workdir} has no config.json: not a tx_jax workdir")
-  config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
-  module = models.build(config.model)
-  shapes = _abstract_params(module, config.model.family)
-  abstract_params = traverse_util.unflatten_dict(shapes, sep="/")
-  tx, _ = optimizers.build_optimizer(config)
-  abstract = jax.eval_shape(state.make_init_fn(lambda _: abstract_params, tx, config.seed))
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  abstract = checkpoint.abstract_with_shardings(abstract, jax.tree.map(lambda _: device, abstract))
-  manager = checkpoint.Checkpointer(workdir / "checkpoints", config.checkpoint)
-  try:
-    restored = manager.restore_latest(abstract)
-  finally:
-    manager.close()
-  if restored is None:
-    raise ConversionError(f"{workdir / 'checkpoints'} holds no checkpoint")
-  train_state, step = restored
-  return config, train_state.params, step

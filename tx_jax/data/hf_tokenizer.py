@@ -161,6 +161,10 @@ class HFTokenizer:
     out.append(self._tok.decode(pending, skip_special_tokens=True))
     return "".join(out)
 
+  def token(self, i: int) -> str | None:
+    """The token string of id i (None past the tokenizer's vocabulary)."""
+    return self._tok.id_to_token(i)
+
   @property
   def cls_id(self) -> int:
     """BERT [CLS]: the tokenizer's cls token, else bos, else eos."""
