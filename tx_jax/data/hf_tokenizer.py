@@ -83,8 +83,9 @@ class HFTokenizer:
     added = tok.get_added_tokens_decoder()
     self._special = frozenset(i for i, t in added.items() if t.special)
     named: dict[str, str | None] = {}
-    for side in SIDE_FILES:
-      for key, value in _read_json(folder / side).items():
+    sides = [folder / side for side in SIDE_FILES if (folder / side).is_file()]
+    for side in sides:
+      for key, value in _read_json(side).items():
         if key.endswith("_token") and _token_name(value) is not None:
           named.setdefault(key.removesuffix("_token"), _token_name(value))
     hf_config = _read_json(folder / "config.json")  # an HF model's; a tx_jax one names no ids
@@ -94,8 +95,10 @@ class HFTokenizer:
         ids[role] = tok.token_to_id(named[role])
       elif isinstance(hf_config.get(_HF_CONFIG_IDS.get(role, "")), int):
         ids[role] = hf_config[_HF_CONFIG_IDS[role]]
-      else:
+      elif not sides:  # a bare tokenizer.json: guess from names; side files are authoritative
         ids[role] = next((vocab[n] for n in _KNOWN[role] if n in vocab), None)
+      else:
+        ids[role] = None
     start = hf_config.get("decoder_start_token_id")
     ids["decoder_start"] = start if isinstance(start, int) else None
     ids.update({k.removesuffix("_id"): v for k, v in overrides.items() if v is not None})
@@ -149,10 +152,14 @@ class HFTokenizer:
     return self.encode(text) + ([self.eos_id] if encoder else [])
 
   def decode(self, ids: Iterable[int]) -> str:
-    """Ids -> text; special tokens are skipped, appended sentinels rendered as <extra_id_i>."""
+    """Ids -> text; special tokens are skipped, appended sentinels rendered as <extra_id_i>.
+
+    Ids past the tokenizer (a model vocabulary padded beyond it, as T5's) are skipped, as
+    transformers skips them.
+    """
     out, pending = [], []
     for i in (int(i) for i in ids):
-      if i >= self.base_vocab_size:
+      if self.base_vocab_size <= i < self.vocab_size:
         out.append(self._tok.decode(pending, skip_special_tokens=True))
         pending = []
         out.append(f"<extra_id_{self.vocab_size - 1 - i}>")
