@@ -59,6 +59,10 @@ class ByteTokenizer:
     out.append(pending.decode("utf-8", errors="replace"))
     return "".join(out)
 
+  def encode_input(self, text: str, *, encoder: bool) -> list[int]:
+    """Text -> a model input: an encoder source ends with EOS, as in training."""
+    return self.encode(text) + ([self.eos_id] if encoder else [])
+
   @property
   def cls_id(self) -> int:
     """BERT [CLS]: the bos id (RoBERTa's <s> convention)."""
@@ -155,6 +159,10 @@ class SentencePieceTokenizer:
         pending.append(i)
     out.append(self._sp.decode(pending))
     return "".join(out)
+
+  def encode_input(self, text: str, *, encoder: bool) -> list[int]:
+    """Text -> a model input: an encoder source ends with EOS, as in training."""
+    return self.encode(text) + ([self.eos_id] if encoder else [])
 
   @property
   def cls_id(self) -> int:
