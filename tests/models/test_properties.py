@@ -1,37 +1,14 @@
 """Model-level properties: causality, padding invariance, packing, dtypes, axis names."""
 
-import functools
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.models.variants import DECODERS, ENCDECS, VARIANTS
+from tests.models.variants import B, DECODERS, ENCDECS, T, VARIANTS
+from tests.models.variants import forward, model_and_params, tokens
 from tx_jax.models import build
-
-B, T = 2, 10
-
-
-@functools.lru_cache(maxsize=None)
-def model_and_params(name):
-  config = VARIANTS[name]
-  module = build(config)
-  ids = jnp.ones((1, 4), jnp.int32)
-  args = (ids, ids) if config.family == "encdec" else (ids,)
-  params = module.init(jax.random.PRNGKey(0), *args)["params"]
-  return module, nn.unbox(params), params
-
-
-def tokens(seed, shape=(B, T), low=4):
-  return jnp.asarray(np.random.default_rng(seed).integers(low, 53, shape), jnp.int32)
-
-
-def forward(name, *args, **kwargs):
-  module, params, _ = model_and_params(name)
-  return np.asarray(jax.jit(functools.partial(module.apply, **kwargs))({"params": params}, *args))
-
 
 @pytest.mark.parametrize("name", DECODERS + ENCDECS)
 def test_causality_bit_for_bit(name):
