@@ -35,7 +35,8 @@ def data_config() -> ml_collections.ConfigDict:
   c.tokenizer_path = ""
   c.vocab_size = 8000  # pieces when experiments.train_tokenizer trains a tokenizer
   c.spm_model_type = "unigram"  # SentencePiece training algorithm: unigram | bpe
-  c.hf_model_type = "byte_bpe"  # tokenizer=hf training: byte_bpe (GPT-2) | bpe | unigram | wordpiece
+  # what train_tokenizer trains for tokenizer=hf: byte_bpe (GPT-2) | bpe | unigram | wordpiece
+  c.hf_model_type = "byte_bpe"
   # Special ids; None = the tokenizer's own. experiments.convert records an HF model's here, so
   # decoding and fine-tuning use the ids the model was trained with. Batches always pad with 0
   # (segment id 0); pad_id is the id HF names padding, written back by convert --to_hf.

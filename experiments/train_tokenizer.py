@@ -25,7 +25,9 @@ _CONFIG = config_flags.DEFINE_config_file(
     lock_config=True,
 )
 _PREFIX = flags.DEFINE_string(
-    "model_prefix", None, "SentencePiece output path without extension (default: data.spm_model_path)."
+    "model_prefix",
+    None,
+    "SentencePiece output path without extension (default: data.spm_model_path).",
 )
 _OUTPUT = flags.DEFINE_string(
     "output", None, "HF tokenizer.json file or directory (default: data.tokenizer_path)."

@@ -38,30 +38,57 @@ def _model(family: str, vocab: int):
   if family == "gpt2":
     return transformers.GPT2LMHeadModel(
         transformers.GPT2Config(
-            vocab_size=vocab, n_embd=24, n_layer=2, n_head=3, n_positions=96,
-            bos_token_id=1, eos_token_id=1,
+            vocab_size=vocab,
+            n_embd=24,
+            n_layer=2,
+            n_head=3,
+            n_positions=96,
+            bos_token_id=1,
+            eos_token_id=1,
         )
     )
   if family == "llama":
     return transformers.LlamaForCausalLM(
         transformers.LlamaConfig(
-            vocab_size=vocab, hidden_size=32, intermediate_size=44, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-            max_position_embeddings=96, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+            vocab_size=vocab,
+            hidden_size=32,
+            intermediate_size=44,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            max_position_embeddings=96,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
         )
     )
   return transformers.T5ForConditionalGeneration(
       transformers.T5Config(
-          vocab_size=vocab + 14, d_model=32, d_kv=8, d_ff=40, num_layers=2,
-          num_decoder_layers=2, num_heads=4, relative_attention_num_buckets=8,
-          relative_attention_max_distance=16, feed_forward_proj="gated-gelu",
-          tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+          vocab_size=vocab + 14,
+          d_model=32,
+          d_kv=8,
+          d_ff=40,
+          num_layers=2,
+          num_decoder_layers=2,
+          num_heads=4,
+          relative_attention_num_buckets=8,
+          relative_attention_max_distance=16,
+          feed_forward_proj="gated-gelu",
+          tie_word_embeddings=False,
+          pad_token_id=0,
+          eos_token_id=1,
+          decoder_start_token_id=0,
       )
   )
 
 
 _SPECIALS = {
-    "gpt2": {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"},
+    "gpt2": {
+        "bos_token": "<|endoftext|>",
+        "eos_token": "<|endoftext|>",
+        "unk_token": "<|endoftext|>",
+    },
     "llama": {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"},
     "t5": {"eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"},
 }

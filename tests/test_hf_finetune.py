@@ -49,7 +49,8 @@ def test_converted_gpt2_fine_tunes_with_its_own_bpe(tmp_path):
   )
   assert done.returncode == 0, done.stderr[-3000:]
   config = wd.read_config(out)
-  assert (config.data.tokenizer, config.model.vocab_size) == ("hf", hf_models.TOKENIZER_VOCAB["gpt2"])
+  assert config.data.tokenizer == "hf"
+  assert config.model.vocab_size == hf_models.TOKENIZER_VOCAB["gpt2"]
   done = runs.run([f"--config=configs/workdir.py:{out}", f"--workdir={out}"])
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   losses = runs.losses(out)

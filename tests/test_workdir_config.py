@@ -40,7 +40,7 @@ def _tiny_workdir(path):
   import flax.linen as nn
 
   params = module.init(jax.random.key(0), jnp.ones((1, 4), jnp.int32), train=False)["params"]
-  params = jax.tree.map(lambda x: x + 1.5, nn.meta.unbox(params))  # not the init a fresh model would draw
+  params = jax.tree.map(lambda x: x + 1.5, nn.meta.unbox(params))  # not a fresh init
   wd.save_step0(config, params, path)
   return config, params
 

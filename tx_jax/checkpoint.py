@@ -222,7 +222,9 @@ def restore_params(
     restored = manager.restore(
         step,
         args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True),
+            state=ocp.args.PyTreeRestore(
+                item=item, restore_args=restore_args, partial_restore=True
+            ),
             meta=ocp.args.JsonRestore(),
         ),
     )

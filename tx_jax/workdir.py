@@ -308,13 +308,14 @@ def export_hf(
   config, params, step = load(path, step)
   tok = build_tokenizer(config)
   ids = special_ids(config, tok)
+  start = ids.decoder_start if config.model.family == "encdec" else None
   hf_config = {
       hf_key: value
       for hf_key, value in (
           ("bos_token_id", ids.bos),
           ("eos_token_id", ids.eos),
           ("pad_token_id", ids.pad),
-          ("decoder_start_token_id", ids.decoder_start if config.model.family == "encdec" else None),
+          ("decoder_start_token_id", start),
       )
       if value is not None
   }

@@ -188,7 +188,8 @@ def test_pipelines_run_on_an_hf_tokenizer(task, trained, tmp_path):
   tok = tokenizers.build_tokenizer(cfg.data)
   if task == "lm":
     targets = batch["targets"][0][batch["weights"][0] > 0]
-    assert tok.decode(targets) in ("First Citizen: Before we proceed any further, hear me speak." * 3)
+    line = "First Citizen: Before we proceed any further, hear me speak."
+    assert tok.decode(targets) in line * 3
   if task == "span_corruption":
     sentinels = {tok.sentinel_id(i) for i in range(tok.num_sentinels)}
     assert sentinels & set(np.asarray(batch["encoder_inputs"]).ravel())
@@ -221,7 +222,8 @@ def test_train_tokenizer_command_trains_hf_kinds(tmp_path):
       check=True,
       capture_output=True,
   )
-  theirs = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "wp" / "tokenizer.json"))
+  file = tmp_path / "wp" / "tokenizer.json"
+  theirs = transformers.PreTrainedTokenizerFast(tokenizer_file=str(file))
   ours = tokenizers.build_tokenizer(
       make_config(tokenizer="hf", tokenizer_path=str(tmp_path / "wp")).data
   )
