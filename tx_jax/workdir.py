@@ -17,10 +17,11 @@ from typing import Any, Mapping
 
 import jax
 import ml_collections
-from flax import traverse_util
 
-from tx_jax import checkpoint, hf, models
+from tx_jax import checkpoint, hf
 from tx_jax.data import hf_tokenizer, tokenizers
+from tx_jax.models import summary
+from tx_jax.models.config import ModelConfig
 
 CONFIG_FILE = "config.json"
 CHECKPOINTS = "checkpoints"
@@ -188,11 +189,9 @@ def copy_tokenizer_files(source: str | pathlib.Path, target: str | pathlib.Path)
 
 def _abstract_params(model_cfg: Any) -> Any:
   """Shapes and dtypes of the model's params, each placed on the first device."""
-  module = models.build(model_cfg)
-  flat = hf._abstract_params(module, model_cfg.family)  # pylint: disable=protected-access
+  shapes = summary.abstract_params(ModelConfig.from_config(model_cfg))
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  flat = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=device) for k, v in flat.items()}
-  return traverse_util.unflatten_dict(flat, sep="/")
+  return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), shapes)
 
 
 def restore_params(
