@@ -90,7 +90,9 @@ def test_post_processors_add_the_families_specials(trained):
       )
       for kind in VOCAB
   }
-  assert built["byte_bpe"].encode_input(text, encoder=False) == built["byte_bpe"].encode(text)
+  gpt = built["byte_bpe"]
+  assert gpt.encode_input(text, encoder=False) == gpt.encode(text)
+  assert gpt.encode_input(text, encoder=True) == [*gpt.encode(text), gpt.eos_id]  # as trained
   bpe, uni, wp = built["bpe"], built["unigram"], built["wordpiece"]
   assert bpe.encode_input(text, encoder=False) == [bpe.bos_id, *bpe.encode(text)]
   assert uni.encode_input(text, encoder=True) == [*uni.encode(text), uni.eos_id]

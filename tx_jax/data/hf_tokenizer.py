@@ -145,11 +145,16 @@ class HFTokenizer:
   def encode_input(self, text: str, *, encoder: bool) -> list[int]:
     """Text -> a model input as transformers builds it: the post-processor adds BOS / EOS.
 
-    Without a post-processor, an encoder source ends with EOS (as in training).
+    An encoder source always ends with EOS, as the seq2seq task trains it (T5's
+    post-processor already appends it; GPT-2's byte-level one adds nothing).
     """
     if self._tok.post_processor is not None:
-      return self._tok.encode(text, add_special_tokens=True).ids
-    return self.encode(text) + ([self.eos_id] if encoder else [])
+      ids = self._tok.encode(text, add_special_tokens=True).ids
+    else:
+      ids = self.encode(text)
+    if encoder and (not ids or ids[-1] != self.eos_id):
+      ids.append(self.eos_id)
+    return ids
 
   def decode(self, ids: Iterable[int]) -> str:
     """Ids -> text; special tokens are skipped, appended sentinels rendered as <extra_id_i>.
