@@ -13,7 +13,6 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 from jax.experimental import multihost_utils
 import ml_collections
 import numpy as np
