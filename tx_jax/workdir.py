@@ -18,10 +18,8 @@ from typing import Any, Mapping
 import jax
 import ml_collections
 
-from tx_jax import checkpoint, hf
+from tx_jax import checkpoint, hf, models
 from tx_jax.data import hf_tokenizer, tokenizers
-from tx_jax.models import summary
-from tx_jax.models.config import ModelConfig
 
 CONFIG_FILE = "config.json"
 CHECKPOINTS = "checkpoints"
@@ -189,7 +187,7 @@ def copy_tokenizer_files(source: str | pathlib.Path, target: str | pathlib.Path)
 
 def _abstract_params(model_cfg: Any) -> Any:
   """Shapes and dtypes of the model's params, each placed on the first device."""
-  shapes = summary.abstract_params(ModelConfig.from_config(model_cfg))
+  shapes = models.abstract_params(model_cfg)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), shapes)
 
