@@ -43,7 +43,10 @@ def test_from_hf_to_hf_keeps_model_and_tokenizer(family, tmp_path):
   assert config.data.tokenizer_path == str(tmp_path / "workdir" / "tokenizer")
   assert (tmp_path / "workdir" / "tokenizer" / "tokenizer.json").is_file()
   ours = wd.build_tokenizer(config)
-  assert [ours.encode_input(t, encoder=True) for t in TEXTS] == [tok(t)["input_ids"] for t in TEXTS]
+  encoder = model.config.is_encoder_decoder
+  assert [ours.encode_input(t, encoder=encoder) for t in TEXTS] == [
+      tok(t)["input_ids"] for t in TEXTS
+  ]
 
   wd.export_hf(tmp_path / "workdir", tmp_path / "out")
   back = _auto(model).from_pretrained(tmp_path / "out")
