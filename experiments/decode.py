@@ -43,6 +43,7 @@ def main(argv) -> int:
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.ERROR)  # Orbax warns about read-only checkpoint dirs
   import jax  # pylint: disable=g-import-not-at-top
+  from tx_jax import workdir  # pylint: disable=g-import-not-at-top
   from tx_jax.decode import models as dm, workdir as wd  # pylint: disable=g-import-not-at-top
 
   strategy = dm.Strategy(
@@ -55,8 +56,9 @@ def main(argv) -> int:
       alpha=_ALPHA.value,
   ).validate()
   config, module, params, _ = wd.load(_WORKDIR.value)
-  tokenizer = wd.build_tokenizer(config, _WORKDIR.value)
-  eos_id, start_id = wd.special_ids(config, _WORKDIR.value, tokenizer)
+  tokenizer = workdir.build_tokenizer(config)
+  ids = workdir.special_ids(config, tokenizer)
+  eos_id, start_id = ids.eos, ids.decoder_start
   if _PROMPT_IDS.value is not None:
     try:
       texts, inputs = None, [[int(t) for t in _PROMPT_IDS.value.split(",") if t.strip()]]
@@ -74,9 +76,8 @@ def main(argv) -> int:
     else:
       with open(_INPUT_FILE.value, encoding="utf-8") as f:
         texts = [line.rstrip("\n") for line in f]
-    # Sources end with EOS, as in training (tx_jax.data.tasks.truncate_eos).
-    suffix = [eos_id] if module.config.family == "encdec" else []
-    inputs = [tokenizer.encode(t) + suffix if t else [] for t in texts]
+    encoder = module.config.family == "encdec"
+    inputs = [tokenizer.encode_input(t, encoder=encoder) if t else [] for t in texts]
   try:
     outputs = wd.decode_inputs(
         module,
