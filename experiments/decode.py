@@ -43,9 +43,10 @@ def main(argv) -> int:
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.ERROR)  # Orbax warns about read-only checkpoint dirs
   import jax  # pylint: disable=g-import-not-at-top
-  from tx_jax.decode import models as dm, workdir as wd  # pylint: disable=g-import-not-at-top
+  from tx_jax import decode  # pylint: disable=g-import-not-at-top
+  from tx_jax.decode import workdir as wd  # pylint: disable=g-import-not-at-top
 
-  strategy = dm.Strategy(
+  strategy = decode.Strategy(
       _STRATEGY.value or ("beam" if _INPUT_FILE.value else "sample"),
       max_new_tokens=_MAX_NEW_TOKENS.value,
       temperature=_TEMPERATURE.value,
@@ -62,23 +63,23 @@ def main(argv) -> int:
       texts, inputs = None, [[int(t) for t in _PROMPT_IDS.value.split(",") if t.strip()]]
     except ValueError:
       raise app.UsageError(
-          f"--prompt_ids={_PROMPT_IDS.value!r}: expected comma-separated " "integers, e.g. 1,2,3"
+          f"--prompt_ids={_PROMPT_IDS.value!r}: expected comma-separated integers, e.g. 1,2,3"
       ) from None
   else:
     if tokenizer is None:
       raise app.UsageError(
-          f"{_WORKDIR.value} has no tokenizer tx_jax can load; pass " "--prompt_ids instead of text"
+          f"{_WORKDIR.value} has no tokenizer tx_jax can load; pass --prompt_ids instead of text"
       )
     if _PROMPT.value is not None:
       texts = [_PROMPT.value]
     else:
       with open(_INPUT_FILE.value, encoding="utf-8") as f:
         texts = [line.rstrip("\n") for line in f]
-    # Sources end with EOS, as in training (tx_jax.data.tasks.truncate_eos).
-    suffix = [eos_id] if module.config.family == "encdec" else []
-    inputs = [tokenizer.encode(t) + suffix if t else [] for t in texts]
+    inputs = decode.encode_sources(
+        tokenizer, texts, append_eos=module.config.family == "encdec"
+    )
   try:
-    outputs = wd.decode_inputs(
+    outputs = decode.decode_batches(
         module,
         params,
         inputs,
@@ -86,7 +87,7 @@ def main(argv) -> int:
         eos_id=eos_id,
         decoder_start_id=start_id,
         rng=jax.random.key(_SEED.value),
-        batch_size=min(_BATCH_SIZE.value, len(inputs)),
+        batch_size=_BATCH_SIZE.value,
     )
   except ValueError as e:  # bad input (empty or too long): say which, without a traceback
     print(f"error: {e}", file=sys.stderr)
