@@ -22,10 +22,11 @@ import numpy as np
 
 from tx_jax import checkpoint as checkpoint_lib
 from tx_jax import data
+from tx_jax import evaluation
 from tx_jax import models
 from tx_jax import sharding
 from tx_jax.models import summary as model_summary
-from tx_jax.train import evaluator as evaluation, metrics as metrics_lib, optimizers, progress as progress_lib
+from tx_jax.train import metrics as metrics_lib, optimizers, progress as progress_lib
 from tx_jax.train import state as state_lib, steps
 
 NONFINITE = ("skip", "abort")
@@ -49,17 +50,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
       raise ValueError(f"config.{name}={value}: must be >= 0 (0 = only at the end)")
   if t.nonfinite not in NONFINITE:
     raise ValueError(f"config.train.nonfinite={t.nonfinite!r}: expected one of {NONFINITE}")
-  unknown = set(t.decode_metrics) - set(evaluation.DECODE_METRICS)
-  if unknown:
-    raise ValueError(
-        f"config.train.decode_metrics has {sorted(unknown)}; accepted: "
-        f"{evaluation.DECODE_METRICS}"
-    )
-  if t.decode_metrics and config.model.family != "encdec":
-    raise ValueError(
-        f"config.train.decode_metrics={tuple(t.decode_metrics)} needs an "
-        f"encdec model, not config.model.family={config.model.family!r}"
-    )
+  evaluation.validate(config)
   if config.model.family == "encoder" and config.model.head == "none":
     raise ValueError(
         "config.model.head='none' has no loss to train; use 'mlm' or " "'classification'"
