@@ -1,5 +1,6 @@
 """tx_jax.evaluation: BLEU against a hand-written BLEU, perplexity against exact values,
-beam/greedy translation of text against the trainer's own uncached greedy decoder."""
+greedy / beam translation of text against an uncached argmax loop and full-forward scores,
+and the trainer's Evaluator decoding with the strategy its config names."""
 
 import collections
 import math
@@ -11,10 +12,7 @@ import numpy as np
 import pytest
 
 from configs import gpt, transformer
-from tx_jax import evaluation, models
-from tx_jax.data.tokenizers import ByteTokenizer
-from tx_jax.decode import models as decode_models
-from tx_jax.train import greedy as trainer_greedy
+from tx_jax import decode, evaluation, models
 
 
 def reference_bleu(hyps, refs):
@@ -105,44 +103,142 @@ def test_perplexity_counts_only_weighted_targets():
     evaluation.perplexity(1.0, 0)
 
 
-def test_translate_texts_greedy_equals_the_trainers_decoder():
-  m = transformer.get_config("tiny").model
-  m.vocab_size, m.d_model, m.num_layers, m.num_decoder_layers = 260, 32, 1, 1
+class IdTokenizer:
+  """Text "5 9 12" <-> ids [5, 9, 12]: invertible, so decoded texts can be re-scored."""
+
+  eos_id, decoder_start_id = 2, 1
+
+  def encode(self, text):
+    return [int(w) for w in text.split()]
+
+  def decode(self, ids):
+    return " ".join(map(str, ids))
+
+
+SOURCES = ["5 9 3 7", "11", "4 4 8 20", "6 30 17 9", "13 13", "25 3 8"]
+N_NEW = 6
+
+
+def tiny_config():
+  """The default experiment's config with a smaller model."""
+  config = transformer.get_config("tiny")
+  m = config.model
+  m.vocab_size, m.d_model, m.num_layers, m.num_decoder_layers = 40, 32, 1, 1
   m.num_heads = m.num_kv_heads = 2
-  m.head_dim, m.mlp_dim, m.max_len = 16, 64, 32
-  module = models.build(m)
-  params = jax.jit(module.init)(
-      jax.random.key(2), jnp.zeros((1, 8), jnp.int32), jnp.zeros((1, 8), jnp.int32)
-  )["params"]
-  params = jax.tree.map(lambda x: x * 2.0, params)
-  tok = ByteTokenizer(num_sentinels=0)
-  sources = ["ein Hund", "zwei Katzen spielen", "x"]
-  strategy = decode_models.Strategy("greedy", max_new_tokens=10)
-  got = evaluation.translate_texts(
-      module, params, tok, sources, strategy, source_len=24, batch_size=4
+  m.head_dim, m.mlp_dim, m.max_len, m.dropout_rate = 16, 64, 32, 0.0
+  return config
+
+
+def tiny_encdec():
+  module = models.build(tiny_config().model)
+  ids = jnp.zeros((1, 8), jnp.int32)
+  params = jax.jit(module.init)(jax.random.key(2), ids, ids)["params"]
+  return module, jax.tree.map(lambda x: x * 2.0, nn.meta.unbox(params))
+
+
+@pytest.fixture(scope="module")
+def model():
+  return tiny_encdec()
+
+
+def forward_log_probs(module, params, source, targets):
+  """log_softmax of a full forward pass: [len(targets) + 1, V] for decoder inputs start+targets."""
+  src = np.asarray([source], np.int32)
+  dec = np.asarray([[IdTokenizer.decoder_start_id] + targets], np.int32)
+  logits = module.apply({"params": params}, src, dec, encoder_segment_ids=np.ones_like(src))
+  return np.asarray(jax.nn.log_softmax(logits[0].astype(jnp.float32)), np.float64)
+
+
+def reference_greedy(module, params, source, n, eos):
+  """Argmax of a full forward pass over everything so far, every step; no cache, no batch."""
+  out = []
+  while len(out) < n and (not out or out[-1] != eos):
+    out.append(int(np.argmax(forward_log_probs(module, params, source, out)[len(out)])))
+  return out
+
+
+def gnmt_score(module, params, source, generated, alpha):
+  """log P(generated) / ((5 + |y|) / 6) ** alpha from one full forward pass."""
+  logp = forward_log_probs(module, params, source, generated[:-1])
+  total = sum(logp[i, t] for i, t in enumerate(generated))
+  return total / ((5 + len(generated)) / 6) ** alpha
+
+
+def test_translate_texts_greedy_and_beam_1_equal_an_uncached_argmax_loop(model):
+  module, params = model
+  tok = IdTokenizer()
+  want = []
+  for text in SOURCES:
+    ids = reference_greedy(module, params, tok.encode(text) + [tok.eos_id], N_NEW, tok.eos_id)
+    want.append(tok.decode(ids[:-1] if ids[-1] == tok.eos_id else ids))
+  assert any(len(w.split()) < N_NEW - 1 for w in want), "no row stopped at EOS"
+  for strategy in (
+      decode.Strategy("greedy", max_new_tokens=N_NEW),
+      decode.Strategy("beam", max_new_tokens=N_NEW, beam_size=1, alpha=0.0),
+  ):
+    got = evaluation.translate_texts(
+        module, params, tok, SOURCES, strategy, source_len=8, batch_size=4
+    )
+    assert got == want, strategy.name
+
+
+def test_translate_texts_beam_4_outscores_greedy(model):
+  """Beam 4's hypothesis scores at least greedy's under the GNMT penalty, and differs somewhere."""
+  module, params = model
+  tok = IdTokenizer()
+  beam = decode.Strategy("beam", max_new_tokens=N_NEW, beam_size=4, alpha=0.6)
+  got = evaluation.translate_texts(module, params, tok, SOURCES, beam, source_len=8, batch_size=4)
+  differs = 0
+  for text, out in zip(SOURCES, got):
+    source = tok.encode(text) + [tok.eos_id]
+    greedy = reference_greedy(module, params, source, N_NEW, tok.eos_id)
+    ids = tok.encode(out)
+    # The text drops a final EOS; beam hypotheses shorter than N_NEW ended with one.
+    hyp = ids + [tok.eos_id] if len(ids) < N_NEW else ids
+    assert tok.eos_id not in ids
+    beam_score = gnmt_score(module, params, source, hyp, 0.6)
+    assert beam_score >= gnmt_score(module, params, source, greedy, 0.6) - 1e-4, text
+    differs += hyp != greedy
+  assert differs, "beam 4 equals greedy on every source; the test would not see a beam"
+
+
+@pytest.mark.parametrize("name", ["greedy", "beam"])
+def test_evaluator_decodes_with_the_configured_strategy(model, name):
+  module, params = model
+  config = tiny_config()
+  config.data.source_len, config.data.eval_global_batch_size = 8, 4
+  config.train.update(decode_strategy=name, beam_size=3, alpha=0.6, decode_max_len=N_NEW)
+  evaluator = evaluation.Evaluator(
+      config, module, None, None, jax.sharding.SingleDeviceSharding(jax.devices()[0])
   )
-  ids = np.zeros((3, 24), np.int32)
-  for i, s in enumerate(sources):
-    row = tok.encode(s) + [tok.eos_id]
-    ids[i, : len(row)] = row
-  want = trainer_greedy.greedy_encdec(
-      module,
-      params,
-      ids,
-      (ids != 0).astype(np.int32),
-      max_len=10,
-      start_id=tok.decoder_start_id,
-      eos_id=tok.eos_id,
+  evaluator.tokenizer = IdTokenizer()
+  strategy = decode.Strategy(name, max_new_tokens=N_NEW, beam_size=3, alpha=0.6)
+  want = evaluation.translate_texts(
+      module, params, IdTokenizer(), SOURCES, strategy, source_len=8, batch_size=4
   )
-  want = [tok.decode(trainer_greedy.strip(np.asarray(r), tok.eos_id)) for r in want]
-  assert got == want
-  beam = evaluation.translate_texts(
-      module,
-      params,
-      tok,
-      sources,
-      decode_models.Strategy("beam", max_new_tokens=10, beam_size=2),
-      source_len=24,
-      batch_size=4,
-  )
-  assert len(beam) == 3 and all(isinstance(b, str) for b in beam)
+  assert evaluator.translate(params, SOURCES) == want
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("decode_strategy", "sample", r"config.train.decode_strategy='sample': accepted"),
+        ("beam_size", 0, "config.train.beam_size=0: must be an int >= 1"),
+        ("alpha", -0.5, "config.train.alpha=-0.5: must be a finite number >= 0"),
+        ("decode_metrics", ("rouge",), r"config.train.decode_metrics has \['rouge'\]"),
+        ("decode_max_len", 33, "config.train.decode_max_len=33: must be <= config.model.max_len=32"),
+    ],
+)
+def test_validate_names_the_decode_field(field, value, message):
+  config = tiny_config()
+  config.train[field] = value
+  with pytest.raises(ValueError, match=message):
+    evaluation.validate(config)
+
+
+def test_translation_presets_report_beam_bleu_like_the_paper():
+  for preset in ("base", "big", "multi30k"):
+    t = transformer.get_config(preset).train
+    assert "bleu" in t.decode_metrics, preset
+    assert (t.decode_strategy, t.beam_size, t.alpha) == ("beam", 4, 0.6), preset
+    evaluation.validate(transformer.get_config(preset))
