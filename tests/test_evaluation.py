@@ -226,7 +226,7 @@ def test_evaluator_decodes_with_the_configured_strategy(model, name):
         ("beam_size", 0, "config.train.beam_size=0: must be an int >= 1"),
         ("alpha", -0.5, "config.train.alpha=-0.5: must be a finite number >= 0"),
         ("decode_metrics", ("rouge",), r"config.train.decode_metrics has \['rouge'\]"),
-        ("decode_max_len", 33, "config.train.decode_max_len=33: must be <= config.model.max_len=32"),
+        ("decode_max_len", 33, "decode_max_len=33: must be <= config.model.max_len=32"),
     ],
 )
 def test_validate_names_the_decode_field(field, value, message):

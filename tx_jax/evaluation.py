@@ -225,7 +225,7 @@ class Evaluator:
   def translate(self, params: Any, sources: list[str]) -> list[str]:
     """Outputs for source texts, decoded with the configured strategy, detokenized."""
     d = self.config.data
-    module, params = decode.decoding_module(self.config.model, params)
+    module, params = decode.decoding_module(self.module.config, params)
     return translate_texts(
         module,
         params,

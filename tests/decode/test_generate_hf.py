@@ -131,9 +131,8 @@ def test_decoder_greedy_equals_transformers_generate(build, eos, tmp_path):
   _, module, params = hf.from_pretrained(tmp_path)
   module, params = decode.decoding_module(module.config, params)
   prompt = decode.make_prompt(PROMPTS, max_new_tokens=N_NEW, max_len=module.config.max_len)
-  got = _ours(
-      decode.generate(module, params, prompt, decode.Strategy("greedy", max_new_tokens=N_NEW), eos_id=eos)
-  )
+  greedy = decode.Strategy("greedy", max_new_tokens=N_NEW)
+  got = _ours(decode.generate(module, params, prompt, greedy, eos_id=eos))
   assert got == want
 
 
