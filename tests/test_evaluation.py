@@ -3,6 +3,7 @@ greedy / beam translation of text against an uncached argmax loop and full-forwa
 and the trainer's Evaluator decoding with the strategy its config names."""
 
 import collections
+import functools
 import math
 
 import flax.linen as nn
@@ -141,12 +142,23 @@ def model():
   return tiny_encdec()
 
 
+@functools.partial(jax.jit, static_argnames=("module",))
+def _forward(module, params, src, dec):
+  return module.apply({"params": params}, src, dec, encoder_segment_ids=(src > 0).astype(jnp.int32))
+
+
 def forward_log_probs(module, params, source, targets):
-  """log_softmax of a full forward pass: [len(targets) + 1, V] for decoder inputs start+targets."""
-  src = np.asarray([source], np.int32)
-  dec = np.asarray([[IdTokenizer.decoder_start_id] + targets], np.int32)
-  logits = module.apply({"params": params}, src, dec, encoder_segment_ids=np.ones_like(src))
-  return np.asarray(jax.nn.log_softmax(logits[0].astype(jnp.float32)), np.float64)
+  """log_softmax of a full forward pass: [len(targets) + 1, V] for decoder inputs start+targets.
+
+  Source and decoder rows are padded to fixed widths (one compile); causal masking and
+  the encoder's segment ids keep the padding out of every position that is read.
+  """
+  src = np.zeros((1, 8), np.int32)
+  src[0, : len(source)] = source
+  dec = np.zeros((1, N_NEW + 1), np.int32)
+  dec[0, : len(targets) + 1] = [IdTokenizer.decoder_start_id] + targets
+  logits = _forward(module, params, src, dec)[0, : len(targets) + 1]
+  return np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32)), np.float64)
 
 
 def reference_greedy(module, params, source, n, eos):

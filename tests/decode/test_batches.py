@@ -1,8 +1,8 @@
-"""encode_sources / decode_batches: batching, padding and filler rows change no output.
+"""encode_sources / decode_batches: batching and filler rows change no output.
 
-The reference decodes each input alone, unpadded (exact width, batch 1), with the
-entry points of generate.py, which tests/decode/test_generate.py checks against an
-uncached argmax loop.
+The reference decodes each input alone (batch 1, padded to WIDTH_MULTIPLE, so it
+compiles once) with the entry points of generate.py, which tests/decode/test_generate.py
+checks against an unpadded, uncached argmax loop.
 """
 
 import functools
@@ -16,6 +16,7 @@ import pytest
 from configs import gpt, transformer
 from tx_jax import decode, models
 from tx_jax.data.tokenizers import ByteTokenizer
+from tx_jax.decode.batches import WIDTH_MULTIPLE
 
 EOS = 2
 # Ids that these seeds' greedy outputs emit mid-row, so EOS stopping and stripping are tested.
@@ -47,13 +48,15 @@ def encdec():
 
 def alone(module, params, row, strategy, eos):
   """The best hypothesis for one input decoded by itself, EOS stripped."""
+  width = WIDTH_MULTIPLE
   if module.config.family == "decoder":
-    prompt = decode.make_prompt([row], max_new_tokens=strategy.max_new_tokens)
+    prompt = decode.make_prompt([row], max_new_tokens=strategy.max_new_tokens, pad_to=width)
     out = decode.generate(module, params, prompt, strategy, eos_id=eos)
   else:
-    ids = np.asarray([row], np.int32)
+    ids = np.zeros((1, width), np.int32)
+    ids[0, : len(row)] = row
     out = decode.translate(
-        module, params, ids, np.ones_like(ids), strategy, eos_id=eos, decoder_start_id=1
+        module, params, ids, (ids > 0).astype(np.int32), strategy, eos_id=eos, decoder_start_id=1
     )
   top = decode.best(out)
   return decode.strip_generated(np.asarray(top.tokens[0]), int(top.lengths[0]), eos)
