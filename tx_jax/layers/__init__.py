@@ -8,10 +8,7 @@ Attention backends add G query heads per key/value head (N = K * G) and position
 I frequencies (half the head dim). Decoding (tx_jax/decode) adds P prompt length,
 Y generated tokens (y of beam search's lp(y)), W beams and E = 2W candidates per beam step.
 
-Logical axis names. Parameters and activations carry separate names so that
-`tx_jax.sharding` can map them to mesh axes independently:
-  parameters:  vocab, embed, mlp, heads, kv_heads, head_dim, layers,
-               relpos_buckets, type_vocab, position
-  activations: act_batch, act_len, act_kv_len, act_embed, act_heads,
-               act_kv_heads, act_head_dim, act_mlp, act_vocab
+Logical axis names (parameters and activations named separately, so that `tx_jax.sharding`
+maps them to mesh axes independently) are constants in `layers/axes.py`; activations are
+constrained by their shape letters: `axes.constrain(x_BTD, "BTD")`.
 """
