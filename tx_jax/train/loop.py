@@ -24,11 +24,12 @@ from tx_jax import checkpoint as checkpoint_lib
 from tx_jax import data
 from tx_jax import models
 from tx_jax import sharding
+from tx_jax import validation
 from tx_jax.models import summary as model_summary
 from tx_jax.train import evaluator as evaluation, metrics as metrics_lib, optimizers, progress as progress_lib
 from tx_jax.train import state as state_lib, steps
 
-NONFINITE = ("skip", "abort")
+NONFINITE = validation.NONFINITE
 
 
 class NonFiniteLossError(RuntimeError):
@@ -36,39 +37,8 @@ class NonFiniteLossError(RuntimeError):
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
-  """Checks the train section before anything is built, naming the bad field."""
-  t = config.train
-  for name in ("steps", "log_every", "grad_accum_steps"):
-    if t[name] < 1:
-      raise ValueError(f"config.train.{name}={t[name]}: must be >= 1")
-  for name, value in (
-      ("train.eval_every", t.eval_every),
-      ("checkpoint.every", config.checkpoint.every),
-  ):
-    if value < 0:
-      raise ValueError(f"config.{name}={value}: must be >= 0 (0 = only at the end)")
-  if t.nonfinite not in NONFINITE:
-    raise ValueError(f"config.train.nonfinite={t.nonfinite!r}: expected one of {NONFINITE}")
-  unknown = set(t.decode_metrics) - set(evaluation.DECODE_METRICS)
-  if unknown:
-    raise ValueError(
-        f"config.train.decode_metrics has {sorted(unknown)}; accepted: "
-        f"{evaluation.DECODE_METRICS}"
-    )
-  if t.decode_metrics and config.model.family != "encdec":
-    raise ValueError(
-        f"config.train.decode_metrics={tuple(t.decode_metrics)} needs an "
-        f"encdec model, not config.model.family={config.model.family!r}"
-    )
-  if config.model.family == "encoder" and config.model.head == "none":
-    raise ValueError(
-        "config.model.head='none' has no loss to train; use 'mlm' or " "'classification'"
-    )
-  if config.data.global_batch_size % t.grad_accum_steps:
-    raise ValueError(
-        f"config.data.global_batch_size={config.data.global_batch_size} is not "
-        f"divisible by config.train.grad_accum_steps={t.grad_accum_steps}"
-    )
+  """Every cross-field check of a training config, before anything is built (tx_jax.validation)."""
+  validation.train_config(config)
 
 
 def make_apply_fn(module: Any, model_cfg: ml_collections.ConfigDict) -> steps.ApplyFn:
@@ -135,6 +105,24 @@ def dry_run_report(config: ml_collections.ConfigDict) -> str:
   )
 
 
+# --- nothing lost: the trained state outlives a failing eval or checkpoint bookkeeping ---
+def save_trained_state(
+    ckpt: checkpoint_lib.Checkpointer, step: int, state: Any, data_iter: Any
+) -> None:
+  """Saves `state` at `step` (no metrics) when a failure after training would lose it.
+
+  Called while another exception propagates: a failure here is logged, never raised, so
+  the original error is the one reported.
+  """
+  try:
+    ckpt.save(step, state, data_iter)
+    ckpt.wait()
+    print(f"saved the trained state at step {step} in {ckpt.directory} before stopping", flush=True)
+  except Exception as e:  # noqa: BLE001 -- e.g. a non-finite state, which is never saved
+    print(f"could not save step {step} ({e}); the last good checkpoint is step "
+          f"{ckpt.latest_step()}", flush=True)
+
+
 def _host(tree: Any) -> Any:
   return jax.tree.map(np.asarray, jax.device_get(tree))
 
@@ -181,7 +169,7 @@ def train_and_evaluate(
   abstract_state = jax.eval_shape(init_fn)
   shardings = sharding.state_shardings(abstract_state, boxed_params, mesh, rules)
 
-  ckpt = checkpoint_lib.Checkpointer(workdir / "checkpoints", config.checkpoint)
+  ckpt = checkpoint_lib.Checkpointer(workdir / "checkpoints", config.checkpoint, config.model)
   restored = None
   if config.checkpoint.resume:
     restored = ckpt.restore_latest(
@@ -295,15 +283,19 @@ def train_and_evaluate(
             consume(*pending)
             pending = None
         eval_metrics = None
-        if is_eval and not stopping:
-          eval_metrics = evaluator.evaluate(state.params)
-          last_eval.update(eval_metrics)
-          writer.write(step, eval_metrics)
-          bar.update(step, eval_metrics)
-          window["time"] = time.time()  # eval time is not training throughput
-        best = eval_metrics if config.checkpoint.best_metric else None
-        if is_save or stopping or best is not None:
-          ckpt.save(step, state, train_iter, metrics=best)
+        try:
+          if is_eval and not stopping:
+            eval_metrics = evaluator.evaluate(state.params)
+            last_eval.update(eval_metrics)
+            writer.write(step, eval_metrics)
+            bar.update(step, eval_metrics)
+            window["time"] = time.time()  # eval time is not training throughput
+          best = eval_metrics if config.checkpoint.best_metric else None
+          if is_save or stopping or best is not None:
+            ckpt.save(step, state, train_iter, metrics=best)
+        except Exception:
+          save_trained_state(ckpt, step, state, train_iter)
+          raise
         if stopping:
           bar.write(f"signal {stop.signum} received: saved step {step}, exiting")
           preempted = True
