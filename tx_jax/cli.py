@@ -72,6 +72,8 @@ def _debug(argv: list[str] | None = None) -> bool:
 
 def one_line(error: BaseException) -> str:
   """The error's message on one line: absl's embedded tracebacks reduced to their last line."""
+  if isinstance(error, AttributeError) and error.args and isinstance(error.args[0], KeyError):
+    error = error.args[0]  # ConfigDict's unknown attribute wraps the KeyError
   if isinstance(error, KeyError) and len(error.args) == 1 and isinstance(error.args[0], str):
     text = error.args[0]  # str(KeyError) would quote the message
   else:
@@ -112,8 +114,23 @@ def _parse_flags(argv: list[str]) -> list[str]:
   except Exception as e:  # noqa: BLE001 -- config_flags raises KeyError / ValueError too
     if _debug(argv):
       traceback.print_exception(e, file=sys.stderr)
-    print(f"error: {one_line(e)} (--helpshort lists the flags)", file=sys.stderr, flush=True)
+    print(f"error: {_flag_error(e, argv)} (--helpshort lists the flags)", file=sys.stderr)
+    sys.stderr.flush()
     sys.exit(USAGE)
+
+
+def _flag_error(error: Exception, argv: list[str]) -> str:
+  """A flag-parsing error on one line, naming the flag (config_flags' KeyError names no flag)."""
+  text = one_line(error).replace("Error whilst parsing config file: ", "")
+  text = re.sub(r"^(KeyError|AttributeError): ", "", text)
+  if isinstance(error, AttributeError) and error.args and isinstance(error.args[0], KeyError):
+    error = error.args[0]
+  if isinstance(error, KeyError) and error.args and isinstance(error.args[0], str):
+    key = str(error.args[0]).splitlines()[0].strip("'\"")
+    flag = next((a.split("=")[0] for a in argv if re.search(rf"\.{re.escape(key)}(\.|=|$)", a)), "")
+    rest = text.split(";", 1)[1].strip() if ";" in text else ""
+    text = f"{flag}: the config has no field {key!r}" + (f"; {rest}" if rest else "")
+  return text
 
 
 def guarded(main: Callable[[list[str]], int | None]) -> Callable[[list[str]], int]:

@@ -198,10 +198,10 @@ def decode_flags(
   """Every flag of experiments.decode, whatever the strategy, before the model is loaded."""
 
   def bad(flag: str, value: Any, accepted: str) -> ValueError:
-    return ValueError(f"--{flag}={value!r}: {accepted}")
+    return ValueError(f"--{flag}={value!r} {accepted}")
 
   if strategy not in ("greedy", "sample", "beam"):
-    raise bad("strategy", strategy, "accepted: greedy, sample, beam")
+    raise bad("strategy", strategy, "is not one of greedy, sample, beam")
   if max_new_tokens < 1:
     raise bad("max_new_tokens", max_new_tokens, "must be >= 1")
   if not math.isfinite(temperature) or temperature < 0:
@@ -250,3 +250,56 @@ def texts_not_empty(texts: Sequence[str], where: str) -> None:
   empty = [i + 1 for i, t in enumerate(texts) if not t.strip()]
   if empty:
     raise ValueError(f"{where}: line {empty[0]} is empty; every input needs text")
+
+
+# ----------------------------------------------------------------------------- workdirs
+
+# config.model fields that change the parameter tree or a parameter's shape.
+SHAPE_FIELDS = (
+    "family", "vocab_size", "d_model", "num_layers", "num_decoder_layers", "num_heads",
+    "num_kv_heads", "head_dim", "mlp_dim", "gated_mlp", "norm", "norm_bias", "embed_norm",
+    "positions", "relative_buckets", "tie_embeddings", "attention_bias", "mlp_bias",
+    "type_vocab_size", "pooler", "head", "num_classes", "scan_layers",
+)  # fmt: skip
+
+
+def read_json(path: pathlib.Path, what: str) -> dict:
+  """A JSON file's object, or a ValueError naming the file and the position of the fault."""
+  import json  # pylint: disable=g-import-not-at-top
+
+  try:
+    values = json.loads(path.read_text(encoding="utf-8"))
+  except json.JSONDecodeError as e:
+    raise ValueError(
+        f"{path} ({what}) is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+    ) from None
+  if not isinstance(values, dict):
+    raise ValueError(f"{path} ({what}) holds a JSON {type(values).__name__}, not an object")
+  return values
+
+
+def workdir_matches(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> None:
+  """A workdir with checkpoints resumes only under a config of the same model shape.
+
+  Checked before the run writes its config.json over the one the checkpoints were made with.
+  """
+  workdir = pathlib.Path(workdir)
+  ckpt_dir, config_file = workdir / "checkpoints", workdir / "config.json"
+  if not config.checkpoint.resume or not config_file.is_file() or not ckpt_dir.is_dir():
+    return
+  if not any(p.name.isdigit() for p in ckpt_dir.iterdir()):
+    return
+  saved = read_json(config_file, "the config its checkpoints were written with").get("model", {})
+  fields = [f for f in SHAPE_FIELDS if f in saved and saved[f] != config.model[f]]
+  if config.model.positions == "learned" and saved.get("max_len", config.model.max_len) != (
+      config.model.max_len
+  ):
+    fields.append("max_len")
+  if fields:
+    differences = "; ".join(
+        f"model.{f}={saved[f]!r}, the config says {config.model[f]!r}" for f in fields[:4]
+    )
+    raise ValueError(
+        f"--workdir={workdir} holds checkpoints of another model ({differences}); resume it "
+        f"with --config=configs/workdir.py:{workdir}, or train this config in another --workdir"
+    )
