@@ -79,7 +79,7 @@ def main(argv) -> int:
           f"{_WORKDIR.value} has no tokenizer tx_jax can load; pass " "--prompt_ids instead of text"
       )
     if _PROMPT.value is not None:
-      texts = [_PROMPT.value]
+      texts = [validation.prompt_text(_PROMPT.value)]
     else:
       with open(_INPUT_FILE.value, encoding="utf-8") as f:
         texts = [line.rstrip("\n") for line in f]

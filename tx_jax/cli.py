@@ -54,12 +54,17 @@ USAGE_ERRORS = (
 )
 
 
+def _bad_config_file(error: BaseException) -> bool:
+  """config_flags defers a config file that failed to load to the first `.value` (an OSError)."""
+  return isinstance(error, OSError) and "Failed loading config file" in str(error)
+
+
 def exit_code(error: BaseException) -> int:
   """2 for usage / config errors, 1 for failures at run time."""
   code = getattr(error, "exit_code", None)
   if isinstance(code, int):
     return code
-  return USAGE if isinstance(error, USAGE_ERRORS) else FAILURE
+  return USAGE if isinstance(error, USAGE_ERRORS) or _bad_config_file(error) else FAILURE
 
 
 def _debug(argv: list[str] | None = None) -> bool:
@@ -83,7 +88,10 @@ def one_line(error: BaseException) -> str:
     head = text.split("Traceback", 1)[0].strip().rstrip(":")
     last = [line.strip() for line in text.splitlines() if line.strip()][-1]
     text = f"{head}: {last}" if head else last
-  if isinstance(error, OSError) and error.filename and error.strerror:
+  if _bad_config_file(error):  # "...; Attempted [...]:; configs/x.py; [Errno 2] No such file..."
+    parts = [p.strip() for p in text.splitlines() if p.strip()]
+    text = f"--config: {parts[-1]}" if parts else text
+  elif isinstance(error, OSError) and error.filename and error.strerror:
     text = f"{error.filename}: {error.strerror}"
   text = re.sub(r"\s*\n\s*", "; ", text.strip())
   if not _is_ours(error) or not text:
@@ -93,7 +101,11 @@ def one_line(error: BaseException) -> str:
 
 def _is_ours(error: BaseException) -> bool:
   """Whether tx_jax (or absl's flag parsing) raised it on purpose, with a message for users."""
-  return isinstance(error, USAGE_ERRORS) or type(error).__module__.startswith("tx_jax")
+  return (
+      isinstance(error, USAGE_ERRORS)
+      or _bad_config_file(error)
+      or type(error).__module__.startswith("tx_jax")
+  )
 
 
 def report(error: BaseException, argv: list[str] | None = None) -> int:

@@ -245,6 +245,13 @@ def prompt_ids(text: str, vocab_size: int) -> list[int]:
   return ids
 
 
+def prompt_text(text: str) -> str:
+  """--prompt, which must hold something to encode."""
+  if not text.strip():
+    raise ValueError(f"--prompt={text!r} is empty; give text to continue or translate")
+  return text
+
+
 def texts_not_empty(texts: Sequence[str], where: str) -> None:
   """Every input text holds something to encode."""
   empty = [i + 1 for i, t in enumerate(texts) if not t.strip()]

@@ -46,7 +46,7 @@ def read_weights(directory: str | pathlib.Path) -> dict[str, np.ndarray]:
       with safe_open(str(directory / name), framework="np") as f:
         for key in f.keys():
           tensors[key] = f.get_tensor(key)
-    except (OSError, ValueError, RuntimeError) as e:  # safetensors' errors name no file
+    except Exception as e:  # noqa: BLE001 -- SafetensorError and friends name no file
       raise ConversionError(f"{directory / name} cannot be read as safetensors: {e}") from e
   return tensors
 
