@@ -161,7 +161,9 @@ def test_shape_mismatch_is_a_named_error_not_damage(tmp_path):
     reader.restore_latest(abstract, _iterator())
   # Without the stored model config, the message names the parameter and both shapes.
   reader.model = None
-  with pytest.raises(checkpoint.CheckpointMismatchError, match=r"params/embed of shape \(10, 128\)"):
+  with pytest.raises(
+      checkpoint.CheckpointMismatchError, match=r"params/embed of shape \(10, 128\)"
+  ):
     reader.restore_latest(abstract, _iterator())
   reader.close()
   assert not (tmp_path / "checkpoints_damaged").exists()

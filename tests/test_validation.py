@@ -23,7 +23,11 @@ from tx_jax import checkpoint, cli, validation
         (transformer.get_config, {"data.task": "lm"}, r"data.task='lm' .*'encdec'"),
         (bert.get_config, {"model.head": "classification"}, r"needs config.model.head='mlm'"),
         (gpt.get_config, {"checkpoint.best_metric": "eval_bleu"}, r"best_metric='eval_bleu'"),
-        (transformer.get_config, {"checkpoint.best_metric": "eval_bits_per_byte"}, r"eval_exact_match"),
+        (
+            transformer.get_config,
+            {"checkpoint.best_metric": "eval_bits_per_byte"},
+            r"eval_exact_match",
+        ),
         (gpt.get_config, {"mesh.data": 3}, r"config.mesh"),
         (gpt.get_config, {"train.steps": 0}, r"train.steps=0"),
         (gpt.get_config, {"checkpoint.keep": 0}, r"checkpoint.keep=0"),

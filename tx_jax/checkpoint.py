@@ -46,7 +46,9 @@ class CheckpointMismatchError(CheckpointError, ValueError):
 
 
 # Orbax's words for an on-disk tree that differs from the requested one.
-_MISMATCH = re.compile(r"tree structure|structures do not match|shape|Missing keys|not found in", re.I)
+_MISMATCH = re.compile(
+    r"tree structure|structures do not match|shape|Missing keys|not found in", re.I
+)
 
 
 def data_fingerprint(state: Any) -> int:
@@ -168,10 +170,8 @@ class Checkpointer:
         metrics is not None and self.cfg.best_metric and self.cfg.best_metric not in metrics
     )
     # The state is saved either way: a bookkeeping error must never lose a trained model.
-    self.manager.save(
-        step, args=ocp.args.Composite(**items), metrics=None if missing_metric else metrics,
-        force=True,
-    )
+    kept = None if missing_metric else metrics
+    self.manager.save(step, args=ocp.args.Composite(**items), metrics=kept, force=True)
     if missing_metric:
       self.manager.wait_until_finished()
       raise CheckpointError(
@@ -195,22 +195,27 @@ class Checkpointer:
     where = self.directory / str(step)
     differing = []
     if self.model is not None and isinstance(meta.get("model"), dict):
+      shape_fields = (*validation.SHAPE_FIELDS, "max_len")
       differing = [
           f"model.{k}={meta['model'][k]!r}, the config says {v!r}"
           for k, v in self.model.items()
-          if k in meta["model"] and meta["model"][k] != v
+          if k in shape_fields and k in meta["model"] and meta["model"][k] != v
       ]
     if not differing:
       only_saved = sorted(set(saved_params) - set(wanted_params))
       only_wanted = sorted(set(wanted_params) - set(saved_params))
-      shape = [k for k in sorted(set(saved_params) & set(wanted_params))
-               if saved_params[k] != wanted_params[k]]
+      shape = [
+          k
+          for k in sorted(set(saved_params) & set(wanted_params))
+          if saved_params[k] != wanted_params[k]
+      ]
       if shape:
         k = shape[0]
         differing = [f"{k} of shape {saved_params[k]}, the config makes {wanted_params[k]}"]
+      elif only_saved:
+        differing = [f"parameters {only_saved[:3]} the config lacks"]
       else:
-        differing = [f"parameters {only_saved[:3]} the config lacks" if only_saved else
-                     f"no {only_wanted[:3]}, which the config has"]
+        differing = [f"no {only_wanted[:3]}, which the config has"]
     raise CheckpointMismatchError(
         f"checkpoint step {step} at {where} does not match the config: it has "
         f"{'; '.join(differing[:4])}. The checkpoint is intact and was left in place; train "

@@ -154,7 +154,12 @@ def test_stand_in_overfits_one_batch(setup, dtype):
   loss = float(metrics["loss_sum"] / metrics["weight_sum"])
   assert loss < 0.05, loss
   # ...while the params and Adam's moments stay float32 after 150 updates.
-  floats = lambda t: {x.dtype for x in jax.tree.leaves(t) if jnp.issubdtype(x.dtype, jnp.floating)}  # noqa: E731
+  def floats(tree):
+    return {x.dtype for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)}
+
   assert floats(state.params) == floats(state.opt_state) == {jnp.dtype(jnp.float32)}
+  # ...holding float32 values: an update rounded through bf16 would leave only bf16 values.
+  kernel = np.asarray(state.params["hidden"]["kernel"])
+  assert np.mean(kernel != kernel.astype(jnp.bfloat16).astype(np.float32)) > 0.5
   ev = steps.eval_step(state.params, batch, apply_fn=standin.apply_fn_for(module))
   assert float(ev["correct_sum"]) == float(ev["weight_sum"])

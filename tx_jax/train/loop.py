@@ -117,10 +117,13 @@ def save_trained_state(
   try:
     ckpt.save(step, state, data_iter)
     ckpt.wait()
-    print(f"saved the trained state at step {step} in {ckpt.directory} before stopping", flush=True)
+    print(f"saved the trained state at step {step} in {ckpt.directory}", flush=True)
   except Exception as e:  # noqa: BLE001 -- e.g. a non-finite state, which is never saved
-    print(f"could not save step {step} ({e}); the last good checkpoint is step "
-          f"{ckpt.latest_step()}", flush=True)
+    print(
+        f"could not save step {step} ({e}); the last good checkpoint is step "
+        f"{ckpt.latest_step()}",
+        flush=True,
+    )
 
 
 def _host(tree: Any) -> Any:
