@@ -111,8 +111,13 @@ def tfds_source(data_cfg: ml_collections.ConfigDict, split: str, builder=None) -
   return KeyedSource(builder.as_data_source(split=split), keys)
 
 
-# Raw files TFDS reads from manual_dir instead of downloading them, per data set.
+# Raw files TFDS reads from manual_dir instead of downloading them, per data set, and where
+# to get them.
 MANUAL_FILES = {"tiny_shakespeare": ("input.txt",)}
+MANUAL_SOURCES = {
+    "tiny_shakespeare": "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/"
+    "tinyshakespeare/input.txt"
+}
 
 
 def check_manual_dir(data_cfg: ml_collections.ConfigDict, name: str, prepared_at: str) -> None:
@@ -129,10 +134,12 @@ def check_manual_dir(data_cfg: ml_collections.ConfigDict, name: str, prepared_at
   if not missing:
     return
   what = "does not exist" if not os.path.isdir(manual_dir) else f"lacks {missing}"
+  source = MANUAL_SOURCES.get(name.split("/")[0])
   raise MissingDataError(
       f"data.manual_dir={manual_dir!r} {what}, and TFDS {name!r} is not prepared in "
       f"{prepared_at}; point TX_JAX_DATA_DIR (read when the config is built) at the folder "
       f"holding the offline data sets, or --config.data.manual_dir at the raw files"
+      + (f" (from {source})" if source else "")
   )
 
 
