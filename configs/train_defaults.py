@@ -89,6 +89,8 @@ def tiny_shakespeare(config: ml_collections.ConfigDict, task: str) -> None:
 
   The raw file comes from $TX_JAX_DATA_DIR/tinyshakespeare (default ../shared/data), the
   very file TFDS downloads; override --config.data.manual_dir on another machine.
+  Get it: curl -o $TX_JAX_DATA_DIR/tinyshakespeare/input.txt --create-dirs
+  https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt
   """
   import os  # pylint: disable=g-import-not-at-top
 

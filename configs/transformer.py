@@ -77,7 +77,8 @@ def multi30k() -> ml_collections.ConfigDict:
   """tiny on Multi30k de->en with a shared 8k SentencePiece vocabulary (README: BLEU).
 
   First: python -m experiments.train_tokenizer --config=configs/transformer.py:multi30k
-  (writes data.spm_model_path). Raw files from $TX_JAX_DATA_DIR/multi30k (manual_dir).
+  (writes data.spm_model_path). Raw files from $TX_JAX_DATA_DIR/multi30k (manual_dir): the
+  six .gz files of https://github.com/multi30k/dataset/tree/master/data/task1/raw.
   """
   config = tiny()
   d, m = config.data, config.model

@@ -24,7 +24,9 @@ import statistics
 import tempfile
 import time
 
-from absl import app, flags, logging
+from absl import flags, logging
+
+from tx_jax import cli
 
 _OUT_DIR = flags.DEFINE_string("out_dir", "bench_out/decode", "Where JSON + PNG go.")
 _PRESET = flags.DEFINE_string("preset", "tiny", "configs/gpt.py preset (a GPT-2 shape).")
@@ -182,4 +184,4 @@ def _plot(results: dict, path: pathlib.Path) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -139,6 +139,6 @@ def test_cli_translates_a_file_with_beam_search(tmp_path):
 def test_cli_bad_input_is_a_clear_error(lm_workdir):
   path, _, _ = lm_workdir
   proc = run_cli("--workdir", str(path), "--prompt", "", "--strategy", "greedy")
-  assert proc.returncode == 1 and "input 0 is empty" in proc.stderr
+  assert proc.returncode == 2 and "--prompt='' is empty" in proc.stderr  # a usage error
   proc = run_cli("--workdir", str(path), "--prompt", "hi", "--top_p", "1.5")
   assert proc.returncode != 0 and "top_p=1.5 must lie in (0, 1]" in proc.stderr

@@ -153,7 +153,7 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> TrainRun:
   abstract_state = jax.eval_shape(init_fn)
   shardings = sharding.state_shardings(abstract_state, boxed_params, mesh, rules)
 
-  ckpt = checkpoint_lib.Checkpointer(workdir / "checkpoints", config.checkpoint)
+  ckpt = checkpoint_lib.Checkpointer(workdir / "checkpoints", config.checkpoint, config.model)
   restored = None
   if config.checkpoint.resume:
     restored = ckpt.restore_latest(
