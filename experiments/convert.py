@@ -12,11 +12,13 @@ the newest checkpoint of OUT as config.json + safetensors + tokenizer files that
 from_pretrained and AutoTokenizer load.
 """
 
-import sys
+import pathlib
 
 from absl import app
 from absl import flags
 from ml_collections import config_flags
+
+from tx_jax import cli
 
 _FROM_HF = flags.DEFINE_string("from_hf", None, "HuggingFace model directory to read.")
 _TO_HF = flags.DEFINE_string("to_hf", None, "HuggingFace model directory to write.")
@@ -34,20 +36,26 @@ def main(argv) -> int:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if (_FROM_HF.value is None) == (_TO_HF.value is None):
     raise app.UsageError("give exactly one of --from_hf DIR or --to_hf OUT_HF")
-  from tx_jax import hf, workdir  # pylint: disable=g-import-not-at-top
+  from tx_jax import validation, workdir as wd  # pylint: disable=g-import-not-at-top
 
-  try:
-    if _FROM_HF.value:
-      where = workdir.import_hf(_FROM_HF.value, _WORKDIR.value, _CONFIG.value)
-      print(f"wrote {_WORKDIR.value}/config.json and step 0 under {where}")
-    else:
-      arch, step = workdir.export_hf(_WORKDIR.value, _TO_HF.value)
-      print(f"wrote step {step} of {_WORKDIR.value} as {arch.name} to {_TO_HF.value}")
-  except (hf.ConversionError, FileNotFoundError, ValueError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 1
+  workdir = pathlib.Path(_WORKDIR.value)
+  if _FROM_HF.value:
+    source = pathlib.Path(_FROM_HF.value)
+    if not (source / "config.json").is_file():
+      raise FileNotFoundError(f"--from_hf={source}: no config.json; give a HuggingFace model dir")
+    validation.read_json(source / "config.json", "a HuggingFace config")
+    if (workdir / "checkpoints").is_dir() and any((workdir / "checkpoints").iterdir()):
+      raise ValueError(f"--workdir={workdir} already holds checkpoints; choose an empty --workdir")
+    where = wd.import_hf(source, workdir, _CONFIG.value, check=validation.train_config)
+    print(f"wrote {workdir}/config.json and step 0 under {where}")
+  else:
+    if not (workdir / "config.json").is_file():
+      raise FileNotFoundError(f"--workdir={workdir}: no config.json; give a tx_jax workdir")
+    validation.read_json(workdir / "config.json", "the workdir's config")
+    arch, step = wd.export_hf(workdir, _TO_HF.value)
+    print(f"wrote step {step} of {workdir} as {arch.name} to {_TO_HF.value}")
   return 0
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -18,6 +18,8 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from tx_jax import cli
+
 _CONFIG = config_flags.DEFINE_config_file(
     "config",
     default="configs/transformer.py",
@@ -40,6 +42,13 @@ def main(argv) -> None:
   from tx_jax.data import hf_tokenizer, sources, tokenizers  # pylint: disable=g-import-not-at-top
 
   data_cfg = _CONFIG.value.data
+  from tx_jax import data  # pylint: disable=g-import-not-at-top
+
+  data.validate(data_cfg)
+  if data_cfg.vocab_size <= 5:
+    raise app.UsageError(
+        f"--config.data.vocab_size={data_cfg.vocab_size}: must exceed the 5 special pieces"
+    )
   texts = sources.texts(data_cfg, data_cfg.train_split)
   if data_cfg.tokenizer == "hf":
     output = _OUTPUT.value or data_cfg.tokenizer_path
@@ -63,4 +72,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -90,7 +90,10 @@ def _json(path: pathlib.Path) -> dict[str, Any]:
         f"no {CONFIG_FILE} in {str(path)!r}; accepted: a directory written by experiments.train "
         "or experiments.convert, or a HuggingFace model directory"
     )
-  return json.loads(file.read_text())
+  try:
+    return json.loads(file.read_text())
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{file} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}")
 
 
 def is_hf_dir(path: str | pathlib.Path) -> bool:
@@ -258,12 +261,14 @@ def import_hf(
     hf_dir: str | pathlib.Path,
     path: str | pathlib.Path,
     base: ml_collections.ConfigDict | None = None,
+    check: Any = None,
 ) -> pathlib.Path:
   """An HF directory -> a step-0 workdir keeping its tokenizer files and special ids.
 
   `base` supplies the training and data sections (default: configs.common's); the model,
-  the tokenizer and the special ids always come from the HF directory. Returns the
-  checkpoint directory.
+  the tokenizer and the special ids always come from the HF directory. `check(config)`
+  (e.g. `tx_jax.validation.train_config`) runs on a `base` config before anything is
+  written. Returns the checkpoint directory.
   """
   from tx_jax import data  # pylint: disable=import-outside-toplevel
 
@@ -272,6 +277,8 @@ def import_hf(
     base.model = config.model
     base.data.update(hf_data_fields(hf_dir, config.model.family))
     config = base
+    if check is not None:
+      check(config)  # the preset's data and training must fit the HF model
   path = pathlib.Path(path).absolute()
   if (path / CHECKPOINTS).is_dir() and any((path / CHECKPOINTS).iterdir()):
     # Checked before the tokenizer files are copied over the workdir's own.
