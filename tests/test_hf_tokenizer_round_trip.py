@@ -84,5 +84,5 @@ def test_tokenizer_larger_than_the_model_is_an_error_naming_both(tmp_path):
   wd.import_hf(tmp_path / "src", tmp_path / "workdir")
   config = wd.read_config(tmp_path / "workdir")
   config.model.vocab_size = 300
-  with pytest.raises(ValueError, match=r"331 ids but model.vocab_size=300"):
+  with pytest.raises(ValueError, match=r"vocab_size=300 is smaller than the 331 ids"):
     wd.build_tokenizer(config)

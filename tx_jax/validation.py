@@ -111,21 +111,9 @@ def lengths_fit(config: ml_collections.ConfigDict) -> None:
 
 def vocabulary_fits(config: ml_collections.ConfigDict) -> None:
   """Every id the tokenizer and task can produce is a row of the model's embedding."""
-  from tx_jax.data import tokenizers  # pylint: disable=g-import-not-at-top
+  from tx_jax.data import pipeline  # pylint: disable=g-import-not-at-top
 
-  tok = tokenizers.build_tokenizer(config.data)
-  # Only span corruption emits the sentinels at the top of the tokenizer's vocabulary.
-  uses_sentinels = config.data.task == "span_corruption"
-  needed = tok.vocab_size if uses_sentinels else tok.base_vocab_size
-  have = config.model.vocab_size
-  if needed > have:
-    what = f"data.tokenizer={config.data.tokenizer!r}" + (
-        f" with data.num_sentinels={tok.num_sentinels}" if uses_sentinels else ""
-    )
-    raise ValueError(
-        f"config.model.vocab_size={have} is smaller than the {needed} ids of {what}; ids >= "
-        f"{have} would have no embedding row (NaN loss); set --config.model.vocab_size={needed}"
-    )
+  pipeline.check_vocab(config)  # only span corruption emits the sentinels on top
 
 
 def eval_metric_names(config: ml_collections.ConfigDict) -> list[str]:

@@ -227,10 +227,11 @@ def check_fits(tok: Tokenizer, model_vocab_size: int, *, with_sentinels: bool = 
   """Raises unless every id the tokenizer emits (sentinels too, when used) is < model.vocab_size."""
   needed = tok.vocab_size if with_sentinels else tok.base_vocab_size
   if needed > model_vocab_size:
-    sentinels = f" (incl. {tok.num_sentinels} sentinels)" if with_sentinels else ""
+    what = type(tok).__name__ + (f" with {tok.num_sentinels} sentinels" if with_sentinels else "")
     raise ValueError(
-        f"the tokenizer has {needed} ids{sentinels} but model.vocab_size={model_vocab_size}; "
-        f"raise model.vocab_size to >= {needed} or use a smaller vocabulary"
+        f"config.model.vocab_size={model_vocab_size} is smaller than the {needed} ids of the "
+        f"tokenizer ({what}); ids >= {model_vocab_size} would have no embedding row (NaN "
+        f"loss); set --config.model.vocab_size={needed} or use a smaller vocabulary"
     )
 
 
