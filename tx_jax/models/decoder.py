@@ -37,7 +37,7 @@ class Decoder(nn.Module):
     )
     x_BTD = nn.Dropout(c.dropout_rate)(x_BTD, deterministic=not train)
     x_BTD = nn.with_logical_constraint(x_BTD, ("act_batch", "act_len", "act_embed"))
-    mask, bias = common.self_attention_inputs(
+    spec = common.self_attention_spec(
         c,
         segment_ids,
         positions,
@@ -51,7 +51,7 @@ class Decoder(nn.Module):
         scan_layers=c.scan_layers,
         remat_policy=c.remat_policy,
         name="stack",
-    )(x_BTD, self_mask=mask, self_bias=bias, positions_BT=positions, train=train, decode=decode)
+    )(x_BTD, self_spec=spec, positions_BT=positions, train=train, decode=decode)
     if c.pre_norm:
       x_BTD = make_norm(
           c.norm,
