@@ -61,7 +61,7 @@ def select(
     same = status.get("command") == run.command(config_arg)
     if status["status"] == "done" and same:
       skipped.append(f"[skip] {run.name}: done")
-    elif status["status"] == "failed" and same and not retry_failed:
+    elif status["status"] == "failed" and not retry_failed:
       skipped.append(f"[skip] {run.name}: failed before (--retry_failed reruns it)")
     else:
       todo.append(run)

@@ -146,7 +146,8 @@ def plot_curves(sweep_dir: pathlib.Path, spec: dict, metric: str, path: pathlib.
     ax.set_title(key)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
-  axes[0].legend(fontsize=7)
+  if axes[0].get_legend_handles_labels()[0]:
+    axes[0].legend(fontsize=7)
   fig.suptitle(spec["config"])
   fig.tight_layout()
   fig.savefig(path, dpi=100)
