@@ -17,6 +17,7 @@ from tx_jax.sweep import grid, launch, slurm, summary
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file:preset.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Sweep directory; one subdirectory per run.")
 _PARALLEL = flags.DEFINE_integer("parallel", 1, "Runs at once (disjoint CPU cores / GPUs each).")
+_PIN = flags.DEFINE_bool("pin", True, "With --parallel: disjoint CPU cores per run, pools sized.")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "List the runs and their overrides; run nothing.")
 _SUMMARIZE = flags.DEFINE_bool("summarize", False, "Only rebuild DIR's summary from its runs.")
 _RETRY = flags.DEFINE_bool("retry_failed", False, "Rerun runs that failed before.")
@@ -49,6 +50,7 @@ def main(argv) -> int:
         flags.FLAGS["config"].override_values,
         _WORKDIR.value,
         parallel=_PARALLEL.value if _LAUNCHER.value == "local" else 1,
+        pin=_PIN.value,
         dry_run=_DRY_RUN.value,
         retry_failed=_RETRY.value,
         metric=_METRIC.value,

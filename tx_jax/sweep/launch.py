@@ -64,6 +64,7 @@ def launch(
     workdir: str | pathlib.Path,
     *,
     parallel: int = 1,
+    pin: bool = True,
     dry_run: bool = False,
     retry_failed: bool = False,
     metric: str = "",
@@ -95,7 +96,7 @@ def launch(
     log(line)
   log(f"{len(runs)} runs: {len(skipped)} skipped, {len(todo)} to run")
   if todo and launcher == "local":
-    runner.LocalRunner(config_arg, parallel, log=log).run(todo)
+    runner.LocalRunner(config_arg, parallel, pin, log=log).run(todo)
   elif todo:
     executor = slurm.make_executor(folder, slurm_options, cluster=slurm_cluster)
     jobs = slurm.submit(todo, config_arg, executor, log=log)

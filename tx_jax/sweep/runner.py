@@ -145,13 +145,16 @@ class Slot:
     return env
 
 
-def make_slots(parallel: int) -> list[Slot]:
-  """One Slot per concurrent run: disjoint core sets (and GPU sets) when parallel > 1."""
+def make_slots(parallel: int, pin: bool = True) -> list[Slot]:
+  """One Slot per concurrent run: disjoint core sets (and GPU sets) when parallel > 1.
+
+  pin=False lets every run use every core (only to measure what pinning buys).
+  """
   if parallel < 1:
     raise ValueError(f"--parallel {parallel}: must be >= 1")
   if parallel == 1:
     return [Slot(None, None)]
-  can_pin = hasattr(os, "sched_getaffinity")
+  can_pin = pin and hasattr(os, "sched_getaffinity")
   cores = sorted(os.sched_getaffinity(0)) if can_pin else None
   core_sets = split_evenly(cores, parallel, "CPU cores") if can_pin else [None] * parallel
   gpus = visible_gpus()
@@ -178,11 +181,12 @@ class LocalRunner:
       self,
       config_arg: str,
       parallel: int = 1,
+      pin: bool = True,
       cwd: str | pathlib.Path = ".",
       log: Callable[[str], None] = lambda line: print(line, flush=True),
   ):
     self.config_arg = config_arg
-    self.slots = make_slots(parallel)
+    self.slots = make_slots(parallel, pin)
     self.cwd = pathlib.Path(cwd).absolute()
     self.log = log
     self.signals = 0
