@@ -404,3 +404,16 @@ def test_slurm_launcher_through_submitits_local_executor(tmp_path, monkeypatch):
   launch.launch(config, {}, out, launcher="slurm", slurm_options=options, slurm_cluster="local",
                 log=again.append)
   assert "2 runs: 2 skipped, 0 to run" in again
+
+
+def test_a_second_launcher_on_the_same_directory_is_refused(tmp_path):
+  import fcntl  # pylint: disable=g-import-not-at-top
+
+  tmp_path.mkdir(exist_ok=True)
+  with (tmp_path / launch.LOCK_FILE).open("w") as held:
+    held.write("12345")
+    held.flush()
+    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with pytest.raises(SweepError, match=r"another sweep launcher \(pid 12345\)"):
+      launch.launch(TX, {}, tmp_path, log=lambda line: None)
+  assert not (tmp_path / "sweep.json").exists()

@@ -1,7 +1,11 @@
 """The sweep command's flow: expand, validate, (dry run | run locally | submit), summarise."""
 
+import contextlib
+import fcntl
 import json
+import os
 import pathlib
+import shlex
 from typing import Any, Callable
 
 from tx_jax.sweep import grid
@@ -10,6 +14,7 @@ from tx_jax.sweep import runner
 from tx_jax.sweep import summary as summary_lib
 
 LAUNCHERS = ("local", "slurm")
+LOCK_FILE = ".launcher.lock"
 
 
 def expand(
@@ -54,7 +59,7 @@ def dry_run_lines(runs: list[plan_lib.Run], config_arg: str) -> list[str]:
     values = " ".join(f"{k}={grid.format_value(v)}" for k, v in run.overrides.items())
     status = runner.read_status(run.workdir)["status"]
     lines.append(f"  {run.name}  [{status}]  {values}")
-    lines.append(f"    {plan_lib.shell_command(run.command(config_arg), '.').split(' && ', 1)[1]}")
+    lines.append(f"    {shlex.join(run.command(config_arg))}")
   return lines
 
 
@@ -83,28 +88,47 @@ def launch(
     for line in dry_run_lines(runs, config_arg):
       log(line)
     return 0
-  write_spec(sweep_dir, config_arg, cli_overrides, runs, metric)
-  todo, skipped = runner.select(runs, config_arg, retry_failed)
-  if launcher == "slurm":
-    from tx_jax.sweep import slurm  # pylint: disable=g-import-not-at-top
+  sweep_dir.mkdir(parents=True, exist_ok=True)
+  with _exclusive(sweep_dir):
+    write_spec(sweep_dir, config_arg, cli_overrides, runs, metric)
+    todo, skipped = runner.select(runs, config_arg, retry_failed)
+    if launcher == "slurm":
+      from tx_jax.sweep import slurm  # pylint: disable=g-import-not-at-top
 
-    folder = sweep_dir / "slurm"
-    queued = [r for r in todo if slurm.still_queued(folder, runner.read_status(r.workdir))]
-    skipped += [f"[skip] {r.name}: still queued or running on the cluster" for r in queued]
-    todo = [r for r in todo if r not in queued]
-  for line in skipped:
-    log(line)
-  log(f"{len(runs)} runs: {len(skipped)} skipped, {len(todo)} to run")
-  if todo and launcher == "local":
-    runner.LocalRunner(config_arg, parallel, pin, log=log).run(todo)
-  elif todo:
-    executor = slurm.make_executor(folder, slurm_options, cluster=slurm_cluster)
-    jobs = slurm.submit(todo, config_arg, executor, log=log)
-    slurm.wait(todo, jobs, log=log)
-  rows = summary_lib.summarize(sweep_dir, metric, metric_mode)
+      folder = sweep_dir / "slurm"
+      queued = [r for r in todo if slurm.still_queued(folder, runner.read_status(r.workdir))]
+      skipped += [f"[skip] {r.name}: still queued or running on the cluster" for r in queued]
+      todo = [r for r in todo if r not in queued]
+    for line in skipped:
+      log(line)
+    log(f"{len(runs)} runs: {len(skipped)} skipped, {len(todo)} to run")
+    if todo and launcher == "local":
+      runner.LocalRunner(config_arg, parallel, pin, log=log).run(todo)
+    elif todo:
+      executor = slurm.make_executor(folder, slurm_options, cluster=slurm_cluster)
+      slurm.wait(todo, slurm.submit(todo, config_arg, executor, log=log), log=log)
+    rows = summary_lib.summarize(sweep_dir, metric, metric_mode)
   counts = {s: sum(r["status"] == s for r in rows) for s in runner.STATUSES}
   log(
       "sweep: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n)
       + f"; summary {sweep_dir / 'summary.md'}, plot {sweep_dir / 'curves.png'}"
   )
   return 1 if counts["failed"] else 0
+
+
+@contextlib.contextmanager
+def _exclusive(sweep_dir: pathlib.Path):
+  """One launcher per sweep directory: a second one would start the same runs twice."""
+  with (sweep_dir / LOCK_FILE).open("a+") as lock:
+    try:
+      fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+      lock.seek(0)
+      raise grid.SweepError(
+          f"another sweep launcher (pid {lock.read().strip() or '?'}) is running in {sweep_dir}"
+      ) from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(str(os.getpid()))
+    lock.flush()
+    yield
