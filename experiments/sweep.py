@@ -1,4 +1,4 @@
-r"""Run a config's sweep: python -m experiments.sweep --config=configs/gpt.py:tiny-shakespeare --workdir=DIR.
+r"""Run the sweep beside a config: python -m experiments.sweep --config=FILE:PRESET --workdir=DIR.
 
 The config file's `sweep(add)` lists the runs; `--config.a.b=v` applies to every run. Each
 run trains in DIR/<name> (config.json, command.sh, status.json, train.log, metrics.jsonl);
@@ -21,8 +21,8 @@ _PIN = flags.DEFINE_bool("pin", True, "With --parallel: disjoint CPU cores per r
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "List the runs and their overrides; run nothing.")
 _SUMMARIZE = flags.DEFINE_bool("summarize", False, "Only rebuild DIR's summary from its runs.")
 _RETRY = flags.DEFINE_bool("retry_failed", False, "Rerun runs that failed before.")
-_METRIC = flags.DEFINE_string("metric", "", "Sort metric; default checkpoint.best_metric or eval_loss.")
-_MODE = flags.DEFINE_enum("metric_mode", "", ["", "min", "max"], "Best is min or max; default by name.")
+_METRIC = flags.DEFINE_string("metric", "", "Sort by; default checkpoint.best_metric or eval_loss.")
+_MODE = flags.DEFINE_enum("metric_mode", "", ["", "min", "max"], "Best: min or max; '' = by name.")
 _LAUNCHER = flags.DEFINE_enum("launcher", "local", list(launch.LAUNCHERS), "Where runs execute.")
 _PARTITION = flags.DEFINE_string("partition", "", "SLURM partition; '' = the cluster's default.")
 _GPUS = flags.DEFINE_integer("gpus_per_node", 0, "SLURM: GPUs on each node of a run.")

@@ -93,7 +93,8 @@ def format_value(value: Any) -> str:
 
 
 def _name_part(value: Any) -> str:
-  text = ",".join(format_value(v) for v in value) if isinstance(value, tuple) else format_value(value)
+  values = value if isinstance(value, tuple) else (value,)
+  text = ",".join(format_value(v) for v in values)
   # Keep names usable as one path component and one shell word without quoting.
   return re.sub(r"[^A-Za-z0-9._+-]", "_", text) or "_"
 

@@ -49,7 +49,9 @@ class TrainerTask(submitit.helpers.Checkpointable):
     log_path = workdir_path / (runner.LOG_FILE if rank == 0 else f"train.rank{rank}.log")
     with log_path.open("a") as log:
       env = dict(os.environ, PYTHONUNBUFFERED="1")
-      self.process = subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+      self.process = subprocess.Popen(
+          command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT
+      )
       rc = self.process.wait()
     if rank != 0:
       return "worker"
