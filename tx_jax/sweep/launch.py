@@ -103,7 +103,8 @@ def launch(
       log(line)
     log(f"{len(runs)} runs: {len(skipped)} skipped, {len(todo)} to run")
     if todo and launcher == "local":
-      runner.LocalRunner(config_arg, parallel, pin, log=log).run(todo)
+      # Fewer runs than slots: each gets a bigger share of the cores.
+      runner.LocalRunner(config_arg, min(parallel, len(todo)), pin, log=log).run(todo)
     elif todo:
       executor = slurm.make_executor(folder, slurm_options, cluster=slurm_cluster)
       slurm.wait(todo, slurm.submit(todo, config_arg, executor, log=log), log=log)
