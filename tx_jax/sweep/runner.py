@@ -190,6 +190,7 @@ class LocalRunner:
     self.cwd = pathlib.Path(cwd).absolute()
     self.log = log
     self.signals = 0
+    self._active: dict[int, _Active] = {}  # slot index -> its running run
 
   def _on_signal(self, signum, frame) -> None:
     del frame
@@ -256,7 +257,7 @@ class LocalRunner:
     pending = list(runs)
     total = len(runs)
     counts = {s: 0 for s in STATUSES}
-    self._active: dict[int, _Active] = {}
+    self._active = {}
     previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     started = 0
     try:
