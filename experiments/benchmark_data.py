@@ -18,6 +18,8 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from tx_jax import cli
+
 _CONFIG = config_flags.DEFINE_config_file(
     "config",
     default="configs/gpt.py:tiny",
@@ -117,4 +119,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -24,7 +24,9 @@ import statistics
 import tempfile
 import time
 
-from absl import app, flags, logging
+from absl import flags, logging
+
+from tx_jax import cli
 
 _OUT_DIR = flags.DEFINE_string("out_dir", "bench_out/decode", "Where JSON + PNG go.")
 _PRESET = flags.DEFINE_string("preset", "tiny", "configs/gpt.py preset (a GPT-2 shape).")
@@ -59,7 +61,7 @@ def main(argv) -> None:
   from configs import gpt
   from tx_jax import decode, hf, models
   from tx_jax.decode import chunked_cache
-  from tx_jax.decode import models as dm
+  from tx_jax.decode.generate import recompute_buffers, recompute_step_fn
 
   news, batches = [int(n) for n in _NEW.value], [int(b) for b in _BATCH.value]
   config = gpt.get_config(_PRESET.value)
@@ -98,22 +100,22 @@ def main(argv) -> None:
     for new in news:
       row = {"batch": batch, "new_tokens": new}
       prompt = decode.make_prompt(prompts, max_new_tokens=new, max_len=config.model.max_len)
-      strategy = dm.Strategy("greedy", max_new_tokens=new)
+      strategy = decode.Strategy("greedy", max_new_tokens=new)
       run = lambda: jax.block_until_ready(  # noqa: E731
-          dm.generate(module, params, prompt, strategy, eos_id=None).tokens
+          decode.generate(module, params, prompt, strategy, eos_id=None).tokens
       )
       t = _median_time(run, _REPEATS.value)
       row["cache_tokens_per_s"] = batch * new / t
       row["cache_ms_per_token"] = 1e3 * t / new
-      slots = chunked_cache.padded_length(_PROMPT_LEN.value, new, dm.CACHE_CHUNK)
+      slots = chunked_cache.padded_length(_PROMPT_LEN.value, new, decode.CACHE_CHUNK)
       m = config.model
       row["kv_cache_mb_per_step"] = (
           2 * m.num_layers * batch * m.num_kv_heads * slots * m.head_dim * 4 / 1e6
       )
       row["weights_mb_per_step"] = weights_mb
 
-      step = dm.recompute_step_fn(module)
-      buffers = dm.recompute_buffers(batch, _PROMPT_LEN.value + new - 1)
+      step = recompute_step_fn(module)
+      buffers = recompute_buffers(batch, _PROMPT_LEN.value + new - 1)
       one = jnp.ones((batch, 1), jnp.int32)
       step_jit = jax.jit(lambda p, b: step(p, one, one, one, b)[0])
       steps = lambda: [
@@ -182,4 +184,4 @@ def _plot(results: dict, path: pathlib.Path) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

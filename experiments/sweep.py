@@ -6,13 +6,12 @@ DIR gets summary.csv, summary.md and curves.png. Relaunching skips finished runs
 resumes unfinished ones; `--summarize` only rebuilds the summary.
 """
 
-import sys
-
 from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from tx_jax.sweep import grid, launch, slurm, summary
+from tx_jax import cli
+from tx_jax.sweep import launch, slurm, summary
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file:preset.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Sweep directory; one subdirectory per run.")
@@ -44,24 +43,21 @@ def main(argv) -> int:
   options = slurm.SlurmOptions(
       _PARTITION.value, _GPUS.value, _NODES.value, _TIME.value, _CPUS.value, _PARALLEL.value
   )
-  try:
-    return launch.launch(
-        flags.FLAGS["config"].config_filename,
-        flags.FLAGS["config"].override_values,
-        _WORKDIR.value,
-        parallel=_PARALLEL.value if _LAUNCHER.value == "local" else 1,
-        pin=_PIN.value,
-        dry_run=_DRY_RUN.value,
-        retry_failed=_RETRY.value,
-        metric=_METRIC.value,
-        metric_mode=_MODE.value,
-        launcher=_LAUNCHER.value,
-        slurm_options=options,
-    )
-  except (grid.SweepError, ValueError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  # A SweepError is a ValueError: cli.run prints it as one line and exits 2.
+  return launch.launch(
+      flags.FLAGS["config"].config_filename,
+      flags.FLAGS["config"].override_values,
+      _WORKDIR.value,
+      parallel=_PARALLEL.value if _LAUNCHER.value == "local" else 1,
+      pin=_PIN.value,
+      dry_run=_DRY_RUN.value,
+      retry_failed=_RETRY.value,
+      metric=_METRIC.value,
+      metric_mode=_MODE.value,
+      launcher=_LAUNCHER.value,
+      slurm_options=options,
+  )
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -150,15 +150,26 @@ def plan_runs(
 
 
 def semantic_check(runs: list[Run]) -> None:
-  """The trainer's own early checks (train section, model shape) on every run, before any runs."""
-  from tx_jax import models  # pylint: disable=g-import-not-at-top  # imports JAX
-  from tx_jax.train import loop  # pylint: disable=g-import-not-at-top
+  """The trainer's own early checks on every run, before any run starts.
+
+  Everything in tx_jax.validation.train_config except the mesh against the device count:
+  each trainer checks that against the devices it is given, and asking JAX for devices here
+  would claim the GPUs the runs need.
+  """
+  # pylint: disable=g-import-not-at-top  # these import JAX
+  from tx_jax import data, models, validation
 
   for run in runs:
+    config = run.config
     try:
-      loop.validate(run.config)
-      models.ModelConfig.from_config(run.config.model).validate()
-    except (ValueError, TypeError) as e:
+      validation.train_section(config)
+      models.ModelConfig.from_config(config.model)
+      data.validate(config.data, 1)
+      validation.family_and_task(config)
+      validation.lengths_fit(config)
+      validation.best_metric_exists(config)
+      validation.vocabulary_fits(config)
+    except (ValueError, TypeError, OSError) as e:
       raise SweepError(f"run {run.name}: {e}") from None
 
 
