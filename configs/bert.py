@@ -102,3 +102,17 @@ PRESETS = {
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   return common.get_preset(PRESETS, arg, "tiny", "bert.py")()
+
+
+def sweep(add) -> None:
+  """Model width and heads together (zipped), each at two learning rates (4 runs):
+  python -m experiments.sweep --config=configs/bert.py:tiny-mlm --workdir=runs/bert_width
+  """
+  from tx_jax.sweep import cross, product, zipped  # pylint: disable=g-import-not-at-top
+
+  heads = [2, 4]
+  widths = zipped(
+      {"model.d_model": [64, 128], "model.num_heads": heads, "model.num_kv_heads": heads}
+  )
+  for overrides in cross(widths, product({"optimizer.learning_rate": [5e-4, 1e-3]})):
+    add(overrides)

@@ -48,7 +48,10 @@ def model_config() -> ml_collections.ConfigDict:
   m.init_std = 0.02  # standard deviation of "normal" init
   m.dtype = "float32"  # compute dtype: "float32" or "bfloat16" (softmax/logits/loss stay f32)
   m.param_dtype = "float32"  # parameter storage dtype
-  m.attention_backend = "dense"  # "dense" (XLA einsums), "xla" or "cudnn" (jax.nn)
+  # "dense" (XLA einsums, full [T, S]), "blockwise" (online softmax over key blocks, any
+  # device), "cudnn" (jax.nn fused kernel, NVIDIA GPU, bf16/fp16), "pallas" (JAX's Pallas
+  # flash kernel, GPU; self-attention without bias or window)
+  m.attention_backend = "dense"
   m.scan_layers = False  # nn.scan over layers: one compiled layer, params stacked
   m.remat_policy = "none"  # rematerialisation: "none", "full", "dots", "dots_no_batch"
   return m

@@ -146,3 +146,13 @@ PRESETS = {
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   return common.get_preset(PRESETS, arg, "tiny", "gpt.py")()
+
+
+def sweep(add) -> None:
+  """Peak learning rate x seed (4 runs), e.g. for tiny-shakespeare:
+  python -m experiments.sweep --config=configs/gpt.py:tiny-shakespeare --workdir=runs/gpt_lr
+  """
+  from tx_jax.sweep import product  # pylint: disable=g-import-not-at-top
+
+  for overrides in product({"optimizer.learning_rate": [1e-3, 3e-3], "seed": [0, 1]}):
+    add(overrides)

@@ -93,3 +93,13 @@ PRESETS = {
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   return common.get_preset(PRESETS, arg, "tiny", "t5.py")()
+
+
+def sweep(add) -> None:
+  """Adafactor's learning-rate multiplier x seed (4 runs), e.g. for tiny-span:
+  python -m experiments.sweep --config=configs/t5.py:tiny-span --workdir=runs/t5_lr
+  """
+  from tx_jax.sweep import product  # pylint: disable=g-import-not-at-top
+
+  for overrides in product({"optimizer.learning_rate": [0.5, 1.0], "seed": [0, 1]}):
+    add(overrides)

@@ -112,3 +112,12 @@ PRESETS = {
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   return common.get_preset(PRESETS, arg, "default", "transformer.py")()
+
+
+def sweep(add) -> None:
+  """Peak learning rate x seed (4 runs) on the default string-reversal task:
+  python -m experiments.sweep --config=configs/transformer.py:tiny --workdir=runs/tx_lr
+  """
+  for learning_rate in (1e-3, 3e-3):
+    for seed in (0, 1):
+      add({"optimizer.learning_rate": learning_rate, "seed": seed})

@@ -8,7 +8,8 @@ import pytest
 
 from tx_jax.layers import masks
 from tx_jax.layers.attention import MultiHeadAttention
-from tx_jax.layers.attention_backends import BACKENDS, dense_attention
+from tx_jax.layers.attention_backends import dense_attention
+from tx_jax.layers.attention_spec import AttentionSpec
 
 B, T, D, N, H = 2, 6, 16, 4, 8
 
@@ -57,6 +58,11 @@ def _mask_kinds():
   }
 
 
+def _causal_packing_spec():
+  segments = jnp.array([[1, 1, 1, 2, 2, 2], [1, 1, 2, 2, 2, 0]])
+  return AttentionSpec.self_attention(segments, causal=True)
+
+
 @pytest.mark.parametrize("kind", list(_mask_kinds()))
 @pytest.mark.parametrize("num_kv_heads", [N, 2, 1])
 def test_dense_matches_numpy(kind, num_kv_heads):
@@ -65,16 +71,6 @@ def test_dense_matches_numpy(kind, num_kv_heads):
   out = dense_attention(q, k, v, mask, None, scale=H**-0.5)
   expected, _ = numpy_attention(q, k, v, mask)
   np.testing.assert_allclose(np.asarray(out), expected, atol=2e-5, rtol=2e-5)
-
-
-@pytest.mark.parametrize("backend", sorted(set(BACKENDS) - {"dense", "cudnn"}))
-def test_backends_agree_with_dense(backend):
-  q, k, v = _qkv(num_kv_heads=2)
-  mask = _mask_kinds()["causal+packing"]
-  bias = jnp.asarray(np.random.default_rng(1).standard_normal((1, N, T, T)), jnp.float32)
-  ref = dense_attention(q, k, v, mask, bias, scale=0.3)
-  out = BACKENDS[backend](q, k, v, mask, bias, scale=0.3)
-  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5)
 
 
 def test_masked_keys_get_exactly_zero_weight():
@@ -88,11 +84,10 @@ def test_masked_keys_get_exactly_zero_weight():
   np.testing.assert_array_equal(np.asarray(out)[:, :-1], np.asarray(out2)[:, :-1])
 
 
-@pytest.mark.parametrize("backend", sorted(set(BACKENDS) - {"cudnn"}))
-def test_fully_masked_rows_give_zeros_not_nan(backend):
+def test_fully_masked_rows_give_zeros_not_nan():
   q, k, v = _qkv()
   mask = jnp.zeros((B, 1, T, T), bool).at[0, :, :3].set(True)  # rows 3.. of batch 0, all of 1
-  out = np.asarray(BACKENDS[backend](q, k, v, mask, None, scale=H**-0.5))
+  out = np.asarray(dense_attention(q, k, v, mask, None, scale=H**-0.5))
   assert np.isfinite(out).all()
   np.testing.assert_array_equal(out[0, 3:], 0.0)
   np.testing.assert_array_equal(out[1], 0.0)
@@ -109,8 +104,9 @@ def _module_and_params(num_kv_heads, use_bias=True):
 def test_module_equals_numpy_projections(num_kv_heads):
   """Full layer (projections + attention + output) against numpy; K<N is GQA/MQA."""
   module, p, x = _module_and_params(num_kv_heads)
-  mask = _mask_kinds()["causal+packing"]
-  out = module.apply({"params": p}, x, mask=mask)
+  spec = _causal_packing_spec()
+  mask = spec.mask()[:, None]
+  out = module.apply({"params": p}, x, spec=spec)
   xn = np.asarray(x, np.float64)
   proj = lambda name: np.einsum("btd,dnh->btnh", xn, np.asarray(p[name]["kernel"])) + np.asarray(
       p[name]["bias"]
@@ -132,10 +128,10 @@ def test_gqa_with_all_kv_heads_equals_mha_with_repeated_heads():
         "kernel": jnp.repeat(p[name]["kernel"], N // 2, axis=1),
         "bias": jnp.repeat(p[name]["bias"], N // 2, axis=0),
     }
-  mask = _mask_kinds()["causal"]
+  spec = AttentionSpec.self_attention(jnp.ones((B, T), jnp.int32), causal=True)
   np.testing.assert_allclose(
-      np.asarray(gqa.apply({"params": p}, x, mask=mask)),
-      np.asarray(mha.apply({"params": p_mha}, x, mask=mask)),
+      np.asarray(gqa.apply({"params": p}, x, spec=spec)),
+      np.asarray(mha.apply({"params": p_mha}, x, spec=spec)),
       atol=1e-5,
   )
 

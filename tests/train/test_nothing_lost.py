@@ -3,8 +3,9 @@
 import pytest
 
 from configs import gpt
+from tx_jax import evaluation
 from tx_jax import workdir as workdir_lib
-from tx_jax.train import evaluator, loop
+from tx_jax.train import loop
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +26,7 @@ def test_final_state_is_saved_when_the_final_eval_fails(tmp_path, monkeypatch):
   def broken(self, params):
     raise RuntimeError("eval exploded")
 
-  monkeypatch.setattr(evaluator.Evaluator, "evaluate", broken)
+  monkeypatch.setattr(evaluation.Evaluator, "evaluate", broken)
   config = _config()
   with pytest.raises(RuntimeError, match="eval exploded"):
     loop.train_and_evaluate(config, tmp_path)

@@ -15,6 +15,8 @@ import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import pathlib
+
 import ml_collections
 
 SOURCES = ("synthetic", "tfds", "multi30k", "text_files", "tsv")
@@ -77,6 +79,19 @@ def _check_features(data_cfg, available: Sequence[str], what: str) -> dict[str, 
   return keys
 
 
+def _prepare_once(builder, download_config) -> None:
+  """Prepares a TFDS data set under a file lock: parallel runs (a sweep) otherwise race to
+  rename the same incomplete directory into place, and all but one fail."""
+  import fcntl  # pylint: disable=g-import-not-at-top
+
+  lock_dir = pathlib.Path(builder.data_dir_root)  # not data_dir: its existence means "prepared"
+  lock_dir.mkdir(parents=True, exist_ok=True)
+  with open(lock_dir / f".{builder.name}.prepare.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    if not builder.is_prepared():  # another process may have prepared it while we waited
+      builder.download_and_prepare(file_format="array_record", download_config=download_config)
+
+
 def tfds_source(data_cfg: ml_collections.ConfigDict, split: str, builder=None) -> KeyedSource:
   """Any TFDS data set through tfds.data_source (prepared as array_record when missing)."""
   import tensorflow_datasets as tfds  # slow import: only when a TFDS source is used
@@ -97,10 +112,7 @@ def tfds_source(data_cfg: ml_collections.ConfigDict, split: str, builder=None) -
   keys = _check_features(data_cfg, list(features.keys()), f"TFDS {builder.name!r}")
   if not builder.is_prepared():
     check_manual_dir(data_cfg, builder.name, str(builder.data_path))
-  builder.download_and_prepare(
-      file_format="array_record",
-      download_config=tfds.download.DownloadConfig(manual_dir=data_cfg.manual_dir),
-  )
+    _prepare_once(builder, tfds.download.DownloadConfig(manual_dir=data_cfg.manual_dir))
   known = list(builder.info.splits.keys())
   base = split.split("[")[0]
   if known and base not in known:

@@ -1,11 +1,13 @@
 """Multi-head attention: self / cross, grouped-query, RoPE, KV cache, pluggable backends.
 
-Masks and additive biases are built by the caller and passed in; the backend
-(`attention_backends`) only computes softmax(Q·Kᵀ·scale + bias)·V. The one
-exception is decoding, where this layer owns the KV cache ("cache" collection):
+The caller describes what may attend to what with an `AttentionSpec` (segment ids,
+indices, positions, causal flag, bias parameters); the backend (`attention_backends`)
+materialises the mask and bias it needs and computes softmax(Q·Kᵀ·scale + bias)·V. The
+one exception is decoding, where this layer owns the KV cache ("cache" collection) and
+always attends with the dense reference (one query step against the cache):
 
 - self-attention appends the new K/V at `cache_index` and attends over all
-  cache slots; the caller's mask is then [B, 1, T, S_max] over slots.
+  cache slots; the caller's spec then describes keys as cache slots [B, S_max].
 - a chunked cache (`tx_jax.decode.chunked_cache`) also holds a short "recent"
   buffer: decode steps write there and read the long cache without modifying it,
   and the decode loop flushes recent into the long cache once per chunk.
@@ -22,9 +24,11 @@ import jax.numpy as jnp
 from tx_jax.layers import axes
 from tx_jax.layers.attention_backends import (
     KeyValuePart,
+    dense_attention,
     dense_attention_over_parts,
     get_backend,
 )
+from tx_jax.layers.attention_spec import AttentionSpec
 from tx_jax.layers.linear import Linear
 from tx_jax.layers.positions import apply_rope
 
@@ -64,15 +68,17 @@ class MultiHeadAttention(nn.Module):
       x_BTD: Array,
       kv_BSD: Array | None = None,
       *,
-      mask: Array | None = None,
-      bias: Array | None = None,
+      spec: AttentionSpec | None = None,
       query_positions: Array | None = None,
       key_positions: Array | None = None,
       is_cross: bool = False,
       train: bool = False,
       decode: bool = False,
   ) -> Array:
-    """x_BTD attends to itself, or to kv_BSD when `is_cross`. Returns [B, T, D]."""
+    """x_BTD attends to itself, or to kv_BSD when `is_cross`. Returns [B, T, D].
+
+    `spec` None: every query sees every key.
+    """
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"model.num_heads={self.num_heads} must be a multiple of "
@@ -90,7 +96,7 @@ class MultiHeadAttention(nn.Module):
         q_BTNH = apply_rope(q_BTNH, query_positions, self.rope_theta)
         k_BSKH = apply_rope(k_BSKH, key_positions, self.rope_theta)
       if decode and self.has_variable("cache", "recent_key"):
-        out_BTNH = self._attend_chunked_cache(q_BTNH, k_BSKH, v_BSKH, mask, bias)
+        out_BTNH = self._attend_chunked_cache(q_BTNH, k_BSKH, v_BSKH, spec)
         return self._output(out_BTNH, x_BTD.shape[-1])
       if decode:
         k_BSKH, v_BSKH = self._append_to_cache(k_BSKH, v_BSKH)
@@ -98,14 +104,25 @@ class MultiHeadAttention(nn.Module):
     k_BSKH = axes.constrain(k_BSKH, "BSKH")
     v_BSKH = axes.constrain(v_BSKH, "BSKH")
 
+    scale = self.scale if self.scale is not None else self.head_dim**-0.5
+    if spec is None:
+      spec = AttentionSpec.cross_attention(
+          jnp.ones(q_BTNH.shape[:2], jnp.int32), jnp.ones(k_BSKH.shape[:2], jnp.int32)
+      )
+    if decode:
+      # One step against the cache: the [T, S_max] mask is small, and decoding keeps the
+      # dense path whatever the training backend.
+      out_BTNH = dense_attention(
+          q_BTNH, k_BSKH, v_BSKH, spec.mask()[:, None], spec.bias_logits(), scale=scale
+      )
+      return self._output(out_BTNH, x_BTD.shape[-1])
     deterministic = not train or self.dropout_rate == 0.0
     out_BTNH = get_backend(self.backend)(
         q_BTNH,
         k_BSKH,
         v_BSKH,
-        mask,
-        bias,
-        scale=self.scale if self.scale is not None else self.head_dim**-0.5,
+        spec,
+        scale=scale,
         dropout_rate=self.dropout_rate,
         dropout_rng=None if deterministic else self.make_rng("dropout"),
         deterministic=deterministic,
@@ -154,7 +171,7 @@ class MultiHeadAttention(nn.Module):
     return to_stored(cached_key.value), to_stored(cached_value.value)
 
   def _attend_chunked_cache(
-      self, q_BTNH: Array, k_BTKH: Array, v_BTKH: Array, mask_B1TS: Array, bias: Array | None
+      self, q_BTNH: Array, k_BTKH: Array, v_BTKH: Array, spec: AttentionSpec | None
   ) -> Array:
     """A decode step on a chunked cache: new K/V go to the recent buffer, the long cache is
     only read.
@@ -162,11 +179,12 @@ class MultiHeadAttention(nn.Module):
     Slots below `flushed_index` live in the long cache (`cached_key`), slots from it on in
     `recent_key` (recent slot j = cache slot flushed_index + j), so the step's writes touch
     a [B, K, C, H] buffer and XLA need not copy the long cache to update it in place
-    inside the decode loop. The caller's mask and bias over all S_max slots are split the
+    inside the decode loop. The spec's mask and bias over all S_max slots are split the
     same way; one softmax covers both parts.
     """
-    if mask_B1TS is None:
-      raise ValueError("a chunked-cache decode step needs the slot mask [B, 1, T, S_max]")
+    if spec is None:
+      raise ValueError("a chunked-cache decode step needs the spec of its cache slots")
+    mask_B1TS, bias = spec.mask()[:, None], spec.bias_logits()
     to_stored = lambda x: jnp.swapaxes(x, 1, 2)  # [B,T,K,H] <-> [B,K,T,H]
     cache_index = self.variable("cache", "cache_index")
     flushed_index = self.get_variable("cache", "flushed_index")

@@ -1,13 +1,15 @@
-"""Attention backends: softmax(Q·Kᵀ·scale + bias)·V given q, k, v, a mask and a bias.
+"""Attention backends: softmax(Q·Kᵀ·scale + bias)·V given q, k, v and an `AttentionSpec`.
 
-A backend is one function with the signature of `dense_attention`. Masks and
-biases are built by the caller (`layers.masks`, `layers.positions`), so adding
-a backend (for example a blockwise one with an online softmax) means writing
-one function and registering it in `BACKENDS`.
+A backend receives a description of what may attend to what (`layers.attention_spec`:
+segment ids, indices, positions, causal flag, window, bias parameters) and materialises
+only what it needs: `dense` the whole [B, T, S] mask and [B, N, T, S] bias, `blockwise`
+one block at a time, `pallas` segment ids only, `cudnn` a mask and bias tensor (cuDNN's
+interface). Adding a backend means writing one function and registering it in `BACKENDS`.
 
-Shapes: q_BTNH, k_BSKH, v_BSKH with N query heads and K key/value heads,
-K dividing N (grouped-query attention); mask_B1TS boolean (True = attend) or
-None; bias broadcastable to [B, N, T, S] or None.
+Shapes: q_BTNH, k_BSKH, v_BSKH with N query heads and K key/value heads, K dividing N
+(grouped-query attention). `dense_attention` and `dense_attention_over_parts` are the
+tensor-level reference (mask_B1TS boolean, True = attend; bias broadcastable to
+[B, N, T, S]) that `dense` and KV-cache decoding use.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from tx_jax.layers.attention_spec import AttentionSpec
+from tx_jax.layers.blockwise_attention import blockwise_attention
 
 Array = jnp.ndarray
 
@@ -123,48 +128,95 @@ def dense_attention_over_parts(
   return out_BTKGH.reshape(q_BTNH.shape)
 
 
-def _jax_nn_attention(implementation: str | None) -> Callable[..., Array]:
-  def attend(
-      q_BTNH: Array,
-      k_BSKH: Array,
-      v_BSKH: Array,
-      mask_B1TS: Array | None,
-      bias: Array | None,
-      *,
-      scale: float,
-      dropout_rate: float = 0.0,
-      dropout_rng: jax.Array | None = None,
-      deterministic: bool = True,
-  ) -> Array:
-    if not deterministic and dropout_rate > 0.0:
-      raise ValueError(
-          f"attention backend {implementation or 'xla'!r} has no attention dropout; "
-          f"set model.attention_dropout_rate=0 (got {dropout_rate}) or backend='dense'"
-      )
-    if bias is not None:
-      bias = jnp.broadcast_to(
-          bias, (q_BTNH.shape[0], q_BTNH.shape[2], q_BTNH.shape[1], k_BSKH.shape[1])
-      ).astype(q_BTNH.dtype)
-    out = jax.nn.dot_product_attention(
-        q_BTNH,
-        k_BSKH,
-        v_BSKH,
-        bias=bias,
-        mask=mask_B1TS,
-        scale=scale,
-        implementation=implementation,
+def dense(
+    q_BTNH: Array,
+    k_BSKH: Array,
+    v_BSKH: Array,
+    spec: AttentionSpec,
+    *,
+    scale: float,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+    deterministic: bool = True,
+) -> Array:
+  """The `dense` backend: materialises the full [B, T, S] mask and [B, N, T, S] bias."""
+  return dense_attention(
+      q_BTNH,
+      k_BSKH,
+      v_BSKH,
+      spec.mask()[:, None],
+      spec.bias_logits(),
+      scale=scale,
+      dropout_rate=dropout_rate,
+      dropout_rng=dropout_rng,
+      deterministic=deterministic,
+  )
+
+
+def _no_dropout(backend: str, dropout_rate: float, deterministic: bool) -> None:
+  if not deterministic and dropout_rate > 0.0:
+    raise ValueError(
+        f"attention backend {backend!r} has no attention dropout; set "
+        f"model.attention_dropout_rate=0 (got {dropout_rate}) or model.attention_backend='dense'"
     )
-    return _zero_fully_masked_rows(out, mask_B1TS)
-
-  return attend
 
 
-# "xla" is jax.nn.dot_product_attention's portable path; "cudnn" its fused GPU
-# kernel (bf16/fp16 only, GPU only; jax raises a clear error elsewhere).
+def cudnn(
+    q_BTNH: Array,
+    k_BSKH: Array,
+    v_BSKH: Array,
+    spec: AttentionSpec,
+    *,
+    scale: float,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+    deterministic: bool = True,
+) -> Array:
+  """The `cudnn` backend: jax.nn.dot_product_attention's fused cuDNN kernel (NVIDIA GPU)."""
+  del dropout_rng
+  _no_dropout("cudnn", dropout_rate, deterministic)
+  if jax.default_backend() != "gpu":
+    raise ValueError(
+        f"model.attention_backend='cudnn' needs an NVIDIA GPU, but JAX runs on "
+        f"{jax.default_backend()!r}; use 'dense' or 'blockwise' there"
+    )
+  if q_BTNH.dtype not in (jnp.bfloat16, jnp.float16):
+    raise ValueError(
+        f"model.attention_backend='cudnn' computes in bfloat16 or float16, got {q_BTNH.dtype}; "
+        "set model.dtype='bfloat16' or use 'dense' / 'blockwise'"
+    )
+  mask_B1TS = spec.mask()[:, None]
+  bias_BNTS = spec.bias_logits()
+  if bias_BNTS is not None:
+    bias_BNTS = jnp.broadcast_to(
+        bias_BNTS, (q_BTNH.shape[0], q_BTNH.shape[2], q_BTNH.shape[1], k_BSKH.shape[1])
+    ).astype(q_BTNH.dtype)
+  out = jax.nn.dot_product_attention(
+      q_BTNH,
+      k_BSKH,
+      v_BSKH,
+      bias=bias_BNTS,
+      mask=mask_B1TS,
+      scale=scale,
+      implementation="cudnn",
+  )
+  return _zero_fully_masked_rows(out, mask_B1TS)
+
+
+def _pallas(q_BTNH, k_BSKH, v_BSKH, spec, *, scale, **dropout) -> Array:
+  # Imported on use: the Pallas/Triton modules are only needed by this backend.
+  from tx_jax.layers.pallas_attention import pallas_attention
+
+  return pallas_attention(q_BTNH, k_BSKH, v_BSKH, spec, scale=scale, **dropout)
+
+
+# Every backend: (q_BTNH, k_BSKH, v_BSKH, spec, *, scale, dropout_rate, dropout_rng,
+# deterministic) -> out_BTNH, equal to `dense` within float32 tolerance.
 BACKENDS: dict[str, Callable[..., Array]] = {
-    "dense": dense_attention,
-    "xla": _jax_nn_attention("xla"),
-    "cudnn": _jax_nn_attention("cudnn"),
+    "dense": dense,
+    "blockwise": blockwise_attention,
+    "cudnn": cudnn,
+    "pallas": _pallas,
 }
 
 

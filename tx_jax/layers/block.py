@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from tx_jax.layers import axes
 from tx_jax.layers.attention import MultiHeadAttention
+from tx_jax.layers.attention_spec import AttentionSpec
 from tx_jax.layers.mlp import GatedMlp, Mlp
 from tx_jax.layers.norms import NormSpec, make_norm, residual
 
@@ -69,9 +70,8 @@ class TransformerLayer(nn.Module):
       self,
       x_BTD: Array,
       encoded_BSD: Array | None,
-      self_mask: Array | None,
-      self_bias: Array | None,
-      cross_mask: Array | None,
+      self_spec: AttentionSpec | None,
+      cross_spec: AttentionSpec | None,
       positions_BT: Array | None,
   ) -> Array:
     s = self.spec
@@ -99,8 +99,7 @@ class TransformerLayer(nn.Module):
         x_BTD,
         lambda h: self_attention(
             h,
-            mask=self_mask,
-            bias=self_bias,
+            spec=self_spec,
             query_positions=positions_BT,
             key_positions=positions_BT,
             train=self.train,
@@ -115,7 +114,7 @@ class TransformerLayer(nn.Module):
       x_BTD = residual(
           x_BTD,
           lambda h: cross_attention(
-              h, encoded_BSD, mask=cross_mask, is_cross=True, train=self.train, decode=self.decode
+              h, encoded_BSD, spec=cross_spec, is_cross=True, train=self.train, decode=self.decode
           ),
           make_norm(s.norm, "cross_attention_norm"),
           pre_norm=s.pre_norm,
@@ -152,10 +151,10 @@ class _ScannedLayer(nn.Module):
   remat_policy: str = "none"
 
   @nn.compact
-  def __call__(self, x_BTD, encoded_BSD, self_mask, self_bias, cross_mask, positions_BT):
+  def __call__(self, x_BTD, encoded_BSD, self_spec, cross_spec, positions_BT):
     layer_cls = _maybe_remat(TransformerLayer, self.remat_policy)
     layer = layer_cls(self.spec, train=self.train, decode=self.decode, name="layer")
-    return layer(x_BTD, encoded_BSD, self_mask, self_bias, cross_mask, positions_BT), None
+    return layer(x_BTD, encoded_BSD, self_spec, cross_spec, positions_BT), None
 
 
 def _maybe_remat(cls, policy: str):
@@ -180,14 +179,14 @@ class TransformerStack(nn.Module):
       x_BTD: Array,
       *,
       encoded_BSD: Array | None = None,
-      self_mask: Array | None = None,
-      self_bias: Array | None = None,
-      cross_mask: Array | None = None,
+      self_spec: AttentionSpec | None = None,
+      cross_spec: AttentionSpec | None = None,
       positions_BT: Array | None = None,
       train: bool = False,
       decode: bool = False,
   ) -> Array:
-    args = (encoded_BSD, self_mask, self_bias, cross_mask, positions_BT)
+    """`self_spec` / `cross_spec` describe what attends to what (None: everything)."""
+    args = (encoded_BSD, self_spec, cross_spec, positions_BT)
     if self.scan_layers:
       if decode:
         raise ValueError(

@@ -1,9 +1,11 @@
-"""Attention masks as pure functions.
+"""Attention masks as whole [B, 1, T, S] tensors, built from pure functions.
 
 Every mask is boolean with shape [B, 1, T, S] (broadcast over heads): True
-means "query t may attend to key s". Masks combine with `&` (`combine`), and
-attention backends receive the combined mask; they never build masks
-themselves.
+means "query t may attend to key s". Masks combine with `&` (`combine`).
+Models no longer build these: they pass an `AttentionSpec` (`attention_spec.py`),
+which each backend materialises per block. These functions stay as the
+independent, tensor-level statement of the same rules that the spec is tested
+against, and for code that holds a tensor mask anyway.
 """
 
 from __future__ import annotations

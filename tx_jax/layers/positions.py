@@ -1,9 +1,10 @@
 """Position information: sinusoidal, learned absolute, RoPE, T5 relative bias, ALiBi.
 
 Absolute schemes return embeddings added to the token embeddings; RoPE
-rotates queries and keys inside attention; T5 relative bias and ALiBi return an
-additive attention bias [B|1, N, T, S] that the model computes once per stack
-and hands to every layer.
+rotates queries and keys inside attention; T5 relative bias and ALiBi are
+descriptions (`RelativeBias`, `AlibiBias`: parameters, no [T, S] tensor) that go
+into the stack's `AttentionSpec`; each attention backend turns them into an
+additive bias for the query/key blocks it computes.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import math
 
 import flax.linen as nn
+import flax.struct
 import jax.numpy as jnp
 import numpy as np
 
@@ -88,6 +90,37 @@ def t5_relative_position_bucket(
   return buckets + jnp.where(is_small, distance, large)
 
 
+@flax.struct.dataclass
+class RelativeBias:
+  """T5 relative position bias as parameters: table[bucket(key_pos - query_pos), head]."""
+
+  table: Array  # [num_buckets, N], the model's `rel_embedding` parameter
+  max_distance: int = flax.struct.field(pytree_node=False)
+  bidirectional: bool = flax.struct.field(pytree_node=False)
+
+  def logits(self, query_positions_BT: Array, key_positions_BS: Array) -> Array:
+    """The additive bias [B, N, T, S] in float32."""
+    relative_BTS = key_positions_BS[:, None, :] - query_positions_BT[:, :, None]
+    buckets_BTS = t5_relative_position_bucket(
+        relative_BTS, self.bidirectional, self.table.shape[0], self.max_distance
+    )
+    bias_BTSN = jnp.take(self.table.astype(jnp.float32), buckets_BTS, axis=0)
+    return jnp.transpose(bias_BTSN, (0, 3, 1, 2))
+
+
+@flax.struct.dataclass
+class AlibiBias:
+  """ALiBi as parameters: bias = -slope[head] * |query_pos - key_pos|."""
+
+  slopes: Array  # [N]
+
+  def logits(self, query_positions_BT: Array, key_positions_BS: Array) -> Array:
+    """The additive bias [B, N, T, S] in float32."""
+    distance_BTS = jnp.abs(query_positions_BT[:, :, None] - key_positions_BS[:, None, :])
+    slopes_N = self.slopes.astype(jnp.float32)
+    return -slopes_N[None, :, None, None] * distance_BTS[:, None].astype(jnp.float32)
+
+
 class RelativePositionBias(nn.Module):
   """T5 relative position bias: one learned scalar per (bucket, head), shared by a stack."""
 
@@ -100,20 +133,15 @@ class RelativePositionBias(nn.Module):
   param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, query_positions_BT: Array, key_positions_BS: Array) -> Array:
-    """Returns the additive bias [B, N, T, S]."""
+  def __call__(self) -> RelativeBias:
+    """The bias as a description (its table); backends materialise it per block."""
     table = self.param(
         "rel_embedding",
         nn.with_logical_partitioning(self.embedding_init, (axes.RELPOS_BUCKETS, axes.HEADS)),
         (self.num_buckets, self.num_heads),
         self.param_dtype,
     )
-    relative_BTS = key_positions_BS[:, None, :] - query_positions_BT[:, :, None]
-    buckets_BTS = t5_relative_position_bucket(
-        relative_BTS, self.bidirectional, self.num_buckets, self.max_distance
-    )
-    bias_BTSN = jnp.take(table, buckets_BTS, axis=0)
-    return jnp.transpose(bias_BTSN, (0, 3, 1, 2)).astype(jnp.float32)
+    return RelativeBias(table, max_distance=self.max_distance, bidirectional=self.bidirectional)
 
 
 def alibi_slopes(num_heads: int) -> np.ndarray:
@@ -132,8 +160,11 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
   return np.asarray(slopes, dtype=np.float32)
 
 
+def alibi(num_heads: int) -> AlibiBias:
+  """The ALiBi description of `num_heads` heads (fixed slopes, no parameters)."""
+  return AlibiBias(jnp.asarray(alibi_slopes(num_heads)))
+
+
 def alibi_bias(query_positions_BT: Array, key_positions_BS: Array, num_heads: int) -> Array:
   """ALiBi additive bias [B, N, T, S] = -slope_n · |query_position - key_position|."""
-  distance_BTS = jnp.abs(query_positions_BT[:, :, None] - key_positions_BS[:, None, :])
-  slopes_N = jnp.asarray(alibi_slopes(num_heads))
-  return -slopes_N[None, :, None, None] * distance_BTS[:, None].astype(jnp.float32)
+  return alibi(num_heads).logits(query_positions_BT, key_positions_BS)

@@ -1,5 +1,6 @@
-"""Pieces every model family shares: input embedding, self-attention masks and
-biases (training and cached decoding), and the output projection.
+"""Pieces every model family shares: input embedding, the attention descriptions
+(`AttentionSpec`: segments, causality, bias parameters; training and cached decoding), and
+the output projection.
 
 Helpers that create submodules are called from inside a family's compact
 method, so the submodules belong to that family's module.
@@ -11,14 +12,15 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax import lax
 
-from tx_jax.layers import axes, masks
+from tx_jax.layers import axes
+from tx_jax.layers.attention_spec import AttentionSpec
 from tx_jax.layers.block import TransformerStack
 from tx_jax.layers.embed import Embed
 from tx_jax.layers.linear import Linear
 from tx_jax.layers.positions import (
     LearnedPositions,
     RelativePositionBias,
-    alibi_bias,
+    alibi,
     sinusoidal_embedding,
 )
 from tx_jax.models.config import ModelConfig
@@ -109,7 +111,7 @@ class DecodeSlots(nn.Module):
     return query_slots_BT, key_slots_BS, segment_ids_BT, slot_segments.value
 
 
-def self_attention_inputs(
+def self_attention_spec(
     config: ModelConfig,
     segment_ids_BT: Array,
     positions_BT: Array,
@@ -117,28 +119,24 @@ def self_attention_inputs(
     causal: bool,
     decode_slots: DecodeSlots | None,
     relative_bias: RelativePositionBias | None,
-) -> tuple[Array, Array | None]:
-  """The self-attention mask [B,1,T,S] and additive bias [B,N,T,S] (or None) of a stack.
+) -> AttentionSpec:
+  """What may attend to what in a stack's self-attention; no [T, S] tensor is built here.
 
   Pass `decode_slots` when decoding with the KV cache, None otherwise.
   """
-  if decode_slots is not None:
-    query_idx, key_idx, query_seg, key_seg = decode_slots(segment_ids_BT)
-    query_pos, key_pos = query_idx, key_idx
-  else:
-    query_idx = key_idx = default_positions(segment_ids_BT)
-    query_seg = key_seg = segment_ids_BT
-    query_pos = key_pos = positions_BT
-  mask = masks.segment_mask(query_seg, key_seg)
-  if causal:
-    # Causality by index, not position: positions restart inside packed rows.
-    mask = mask & masks.causal_mask(query_idx, key_idx)
   bias = None
   if config.positions == "relative":
-    bias = relative_bias(query_pos, key_pos)
+    bias = relative_bias()
   elif config.positions == "alibi":
-    bias = alibi_bias(query_pos, key_pos, config.num_heads)
-  return mask, bias
+    bias = alibi(config.num_heads)
+  if decode_slots is None:
+    # Causality by index, not position: positions restart inside packed rows.
+    return AttentionSpec.self_attention(segment_ids_BT, positions_BT, causal=causal, bias=bias)
+  # Keys are cache slots; within a row slot differences are position differences.
+  query_slots, key_slots, query_seg, key_seg = decode_slots(segment_ids_BT)
+  return AttentionSpec(
+      query_seg, key_seg, query_slots, key_slots, query_slots, key_slots, bias=bias, causal=causal
+  )
 
 
 def relative_bias_module(

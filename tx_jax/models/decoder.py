@@ -37,7 +37,7 @@ class Decoder(nn.Module):
     )
     x_BTD = nn.Dropout(c.dropout_rate)(x_BTD, deterministic=not train)
     x_BTD = axes.constrain(x_BTD, "BTD")
-    mask, bias = common.self_attention_inputs(
+    spec = common.self_attention_spec(
         c,
         segment_ids,
         positions,
@@ -46,9 +46,7 @@ class Decoder(nn.Module):
         relative_bias=common.relative_bias_module(c, bidirectional=False, name="relative_bias"),
     )
     stack = common.transformer_stack(c, "stack")
-    x_BTD = stack(
-        x_BTD, self_mask=mask, self_bias=bias, positions_BT=positions, train=train, decode=decode
-    )
+    x_BTD = stack(x_BTD, self_spec=spec, positions_BT=positions, train=train, decode=decode)
     if c.pre_norm:
       x_BTD = make_norm(c.norm_spec(), "final_norm")(x_BTD)
     logits_BTV = common.output_logits(c, embed, common.lm_head(c), x_BTD)

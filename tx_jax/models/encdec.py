@@ -6,7 +6,8 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
-from tx_jax.layers import axes, masks
+from tx_jax.layers import axes
+from tx_jax.layers.attention_spec import AttentionSpec
 from tx_jax.layers.norms import make_norm
 from tx_jax.models import common
 from tx_jax.models.config import ModelConfig
@@ -61,7 +62,7 @@ class EncoderDecoder(nn.Module):
         c, self.shared_embed, self.encoder_position_embed, encoder_inputs, positions
     )
     x_BSD = self.dropout(x_BSD, deterministic=not train)
-    mask, bias = common.self_attention_inputs(
+    spec = common.self_attention_spec(
         c,
         segment_ids,
         positions,
@@ -69,7 +70,7 @@ class EncoderDecoder(nn.Module):
         decode_slots=None,
         relative_bias=self.encoder_relative_bias,
     )
-    x_BSD = self.encoder(x_BSD, self_mask=mask, self_bias=bias, positions_BT=positions, train=train)
+    x_BSD = self.encoder(x_BSD, self_spec=spec, positions_BT=positions, train=train)
     if c.pre_norm:
       x_BSD = self.encoder_final_norm(x_BSD)
     return self.dropout(x_BSD, deterministic=not train)
@@ -104,7 +105,7 @@ class EncoderDecoder(nn.Module):
         c, self.shared_embed, self.decoder_position_embed, decoder_inputs, positions
     )
     x_BTD = self.dropout(x_BTD, deterministic=not train)
-    self_mask, self_bias = common.self_attention_inputs(
+    self_spec = common.self_attention_spec(
         c,
         segment_ids,
         positions,
@@ -112,16 +113,17 @@ class EncoderDecoder(nn.Module):
         decode_slots=self.decode_slots if decode else None,
         relative_bias=self.decoder_relative_bias,
     )
-    if decode:
-      cross_mask = masks.padding_mask(segment_ids != 0, encoder_segments != 0)
+    if decode:  # padding only: decoder steps carry segment 1, whatever the encoder's ids
+      cross_spec = AttentionSpec.cross_attention(
+          (segment_ids != 0).astype(jnp.int32), (encoder_segments != 0).astype(jnp.int32)
+      )
     else:
-      cross_mask = masks.segment_mask(segment_ids, encoder_segments)
+      cross_spec = AttentionSpec.cross_attention(segment_ids, encoder_segments)
     x_BTD = self.decoder(
         x_BTD,
         encoded_BSD=encoded,
-        self_mask=self_mask,
-        self_bias=self_bias,
-        cross_mask=cross_mask,
+        self_spec=self_spec,
+        cross_spec=cross_spec,
         positions_BT=positions,
         train=train,
         decode=decode,

@@ -57,7 +57,7 @@ class Encoder(nn.Module):
       x_BTD = make_norm(c.norm_spec(), "embed_norm")(x_BTD)
     x_BTD = nn.Dropout(c.dropout_rate)(x_BTD, deterministic=not train)
     x_BTD = axes.constrain(x_BTD, "BTD")
-    mask, bias = common.self_attention_inputs(
+    spec = common.self_attention_spec(
         c,
         segment_ids,
         positions,
@@ -66,7 +66,7 @@ class Encoder(nn.Module):
         relative_bias=common.relative_bias_module(c, bidirectional=True, name="relative_bias"),
     )
     stack = common.transformer_stack(c, "stack")
-    x_BTD = stack(x_BTD, self_mask=mask, self_bias=bias, positions_BT=positions, train=train)
+    x_BTD = stack(x_BTD, self_spec=spec, positions_BT=positions, train=train)
     if c.pre_norm:
       x_BTD = make_norm(c.norm_spec(), "final_norm")(x_BTD)
     pooled_BD = None
