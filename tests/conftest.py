@@ -32,3 +32,16 @@ def data_dir() -> pathlib.Path:
   if path is None:
     pytest.skip("offline data not found: set TX_JAX_DATA_DIR to a copy of shared/data")
   return path
+
+
+def pytest_addoption(parser):
+  parser.addoption(
+      "--reverse-order",
+      action="store_true",
+      help="run the collected tests in reverse order (flake hunting: hidden order dependence)",
+  )
+
+
+def pytest_collection_modifyitems(config, items):
+  if config.getoption("--reverse-order"):
+    items.reverse()

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.models.test_properties import forward, model_and_params, tokens
+from tests.models.variants import forward, model_and_params, tokens
 from tests.models.variants import DECODERS, ENCDECS, VARIANTS
 
 MAX_LEN = 12

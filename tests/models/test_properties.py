@@ -1,37 +1,14 @@
 """Model-level properties: causality, padding invariance, packing, dtypes, axis names."""
 
-import functools
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.models.variants import DECODERS, ENCDECS, VARIANTS
+from tests.models.variants import B, DECODERS, ENCDECS, T, VARIANTS
+from tests.models.variants import forward, model_and_params, tokens
 from tx_jax.models import build
-
-B, T = 2, 10
-
-
-@functools.lru_cache(maxsize=None)
-def model_and_params(name):
-  config = VARIANTS[name]
-  module = build(config)
-  ids = jnp.ones((1, 4), jnp.int32)
-  args = (ids, ids) if config.family == "encdec" else (ids,)
-  params = module.init(jax.random.PRNGKey(0), *args)["params"]
-  return module, nn.unbox(params), params
-
-
-def tokens(seed, shape=(B, T), low=4):
-  return jnp.asarray(np.random.default_rng(seed).integers(low, 53, shape), jnp.int32)
-
-
-def forward(name, *args, **kwargs):
-  module, params, _ = model_and_params(name)
-  return np.asarray(jax.jit(functools.partial(module.apply, **kwargs))({"params": params}, *args))
-
 
 @pytest.mark.parametrize("name", DECODERS + ENCDECS)
 def test_causality_bit_for_bit(name):
@@ -122,6 +99,8 @@ def test_bf16_compute_with_f32_params_stays_close(name):
   assert out.dtype == jnp.float32  # logits stay float32
   assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
   err = np.abs(np.asarray(out) - ref).max() / np.abs(ref).max()
+  # bf16 keeps 8 mantissa bits (relative rounding 2^-8 = 0.004 per op). Measured max relative
+  # error: llama 0.0067, t5 0.0079, bert 0.0105, so 0.05 leaves >= 4.7x margin.
   assert err < 0.05, err
 
 

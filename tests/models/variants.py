@@ -1,6 +1,13 @@
 """Tiny model variants covering every family and position scheme, shared by model tests."""
 
-from tx_jax.models import ModelConfig
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tx_jax.models import ModelConfig, build
 
 _SHAPE = dict(
     vocab_size=53,
@@ -85,3 +92,26 @@ VARIANTS = {
 
 DECODERS = [k for k, v in VARIANTS.items() if v.family == "decoder"]
 ENCDECS = [k for k, v in VARIANTS.items() if v.family == "encdec"]
+
+
+# Shared by the model-property and KV-cache tests: one init per variant per session.
+B, T = 2, 10
+
+
+@functools.lru_cache(maxsize=None)
+def model_and_params(name):
+  config = VARIANTS[name]
+  module = build(config)
+  ids = jnp.ones((1, 4), jnp.int32)
+  args = (ids, ids) if config.family == "encdec" else (ids,)
+  params = module.init(jax.random.PRNGKey(0), *args)["params"]
+  return module, nn.unbox(params), params
+
+
+def tokens(seed, shape=(B, T), low=4):
+  return jnp.asarray(np.random.default_rng(seed).integers(low, 53, shape), jnp.int32)
+
+
+def forward(name, *args, **kwargs):
+  module, params, _ = model_and_params(name)
+  return np.asarray(jax.jit(functools.partial(module.apply, **kwargs))({"params": params}, *args))

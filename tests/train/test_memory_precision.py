@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from configs import gpt
-from tests.train.test_overfit import _lm_batch
+from tests.train.batches import lm_batch
 from tx_jax import models
 from tx_jax.train import loop, optimizers, state as state_lib, steps
 
@@ -19,7 +19,7 @@ def _one_step(**model):
   config.model.update(
       dict(num_layers=2, d_model=32, num_heads=2, num_kv_heads=2, head_dim=16, mlp_dim=64), **model
   )
-  batch = _lm_batch(np.random.default_rng(1))
+  batch = lm_batch(np.random.default_rng(1))
   module = models.build(config.model)
   tx, schedule = optimizers.build_optimizer(config)
   args, kwargs = models.model_inputs(config.model, batch)

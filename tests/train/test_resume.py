@@ -52,14 +52,14 @@ def test_sigkill_then_relaunch_is_bit_identical(tmp_path):
     proc = runs.launch(runs.tiny_gpt_flags(corpus, killed))
     # Orbax renames a step's directory into place only once its async save is complete.
     if _kill_when(proc, killed, kill_at, after_checkpoint=10, finished_ok=True):
-      break
+      proc.send_signal(signal.SIGKILL)
+      proc.wait()
+      # It may still have finished between the last poll and the signal.
+      if proc.returncode == -signal.SIGKILL and runs.last_logged_step(killed) < 60:
+        break
     kill_at = 12
   else:
     raise AssertionError("the trainer finished 3 times before it could be killed")
-  proc.send_signal(signal.SIGKILL)
-  proc.wait()
-  assert proc.returncode == -signal.SIGKILL
-  assert runs.last_logged_step(killed) < 60, "killed too late to test anything"
 
   again = runs.run(runs.tiny_gpt_flags(corpus, killed))
   assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]

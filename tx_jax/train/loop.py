@@ -1,11 +1,9 @@
 """The training loop: `train_and_evaluate(config, workdir) -> summary`.
 
-Shapes first (`jax.eval_shape`), then shardings, then a sharded `jax.jit(init)` or a restore
-from the workdir's newest good checkpoint; one jitted `train_step` with the state donated;
-metrics fetched one step late so the host never stalls the device.
+`run.setup` builds or restores everything; the loop below steps, then does whatever is due:
+log (one step late, so the host never stalls the device), evaluate, save.
 """
 
-import functools
 import json
 import pathlib
 import signal
@@ -20,19 +18,14 @@ from jax.experimental import multihost_utils
 import ml_collections
 import numpy as np
 
-from tx_jax import checkpoint as checkpoint_lib
-from tx_jax import data
 from tx_jax import models
 from tx_jax import sharding
 from tx_jax.models import summary as model_summary
-from tx_jax.train import evaluator as evaluation, metrics as metrics_lib, optimizers, progress as progress_lib
-from tx_jax.train import state as state_lib, steps
+from tx_jax.train import evaluator as evaluation, metrics as metrics_lib, optimizers
+from tx_jax.train import run as run_lib
+from tx_jax.train.run import NonFiniteLossError, make_apply_fn  # noqa: F401  (public here)
 
 NONFINITE = ("skip", "abort")
-
-
-class NonFiniteLossError(RuntimeError):
-  """The loss or gradient went non-finite and config.train.nonfinite is 'abort'."""
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
@@ -69,16 +62,6 @@ def validate(config: ml_collections.ConfigDict) -> None:
         f"config.data.global_batch_size={config.data.global_batch_size} is not "
         f"divisible by config.train.grad_accum_steps={t.grad_accum_steps}"
     )
-
-
-def make_apply_fn(module: Any, model_cfg: ml_collections.ConfigDict) -> steps.ApplyFn:
-  """(params, batch, train, rng) -> logits for any family, via models.model_inputs."""
-
-  def apply_fn(params, batch, train, rng):
-    args, kwargs = models.model_inputs(model_cfg, batch)
-    return module.apply({"params": params}, *args, **kwargs, train=train, rngs={"dropout": rng})
-
-  return apply_fn
 
 
 class _StopFlag:
@@ -135,8 +118,9 @@ def dry_run_report(config: ml_collections.ConfigDict) -> str:
   )
 
 
-def _host(tree: Any) -> Any:
-  return jax.tree.map(np.asarray, jax.device_get(tree))
+def is_due(step: int, every: int, total: int) -> bool:
+  """Periodic work (log, eval, save) runs every `every` steps (0 = never) and at the last step."""
+  return step == total or (every > 0 and step % every == 0)
 
 
 def train_and_evaluate(
@@ -150,191 +134,70 @@ def train_and_evaluate(
   wall_start = time.time()
   validate(config)
   sharding.validate(config, jax.device_count(), jax.process_count())
-  workdir = pathlib.Path(workdir)
-  is_main = jax.process_index() == 0
-  if is_main:
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2) + "\n")
-
-  mesh = sharding.make_mesh(config.mesh)
-  rules = sharding.logical_rules(config)
-  replicated = sharding.replicated(mesh)
-  batch_sharding = sharding.batch_sharding(mesh)
-  to_global = lambda b: data.make_global_batch(b, mesh, sharding.BATCH_AXES)  # noqa: E731
-
-  module = models.build(config.model)
-  apply_fn = make_apply_fn(module, config.model)
-  tx, schedule = optimizers.build_optimizer(config)
-  train_iter = data.build_train_iterator(config)
-  first_batch = next(train_iter)
-
-  example = {k: jnp.zeros((1,) + v.shape[1:], v.dtype) for k, v in first_batch.items()}
-
-  def init_params(rng):
-    args, kwargs = models.model_inputs(config.model, example)
-    return module.init({"params": rng}, *args, **kwargs, train=False)["params"]
-
-  init_fn = state_lib.make_init_fn(init_params, tx, config.seed)
-  # Init is not wrapped in the rules context (sharding.with_rules says so): out_shardings
-  # place the parameters.
-  boxed_params = jax.eval_shape(init_params, jax.random.PRNGKey(0))
-  abstract_state = jax.eval_shape(init_fn)
-  shardings = sharding.state_shardings(abstract_state, boxed_params, mesh, rules)
-
-  ckpt = checkpoint_lib.Checkpointer(workdir / "checkpoints", config.checkpoint)
-  restored = None
-  if config.checkpoint.resume:
-    restored = ckpt.restore_latest(
-        checkpoint_lib.abstract_with_shardings(abstract_state, shardings), train_iter
-    )
-  if restored is not None:
-    state, start = restored
-    pending_batch = None  # the iterator resumes exactly after the checkpoint's last batch
-    if is_main:
-      print(f"resumed from step {start} in {ckpt.directory}", flush=True)
-  else:
-    state = jax.jit(init_fn, out_shardings=shardings)()
-    start, pending_batch = 0, first_batch
-
-  # Traced under the mesh and logical rules, so the models' activation constraints apply.
-  train_step = jax.jit(
-      sharding.with_rules(
-          functools.partial(
-              steps.train_step,
-              apply_fn=apply_fn,
-              tx=tx,
-              schedule=schedule,
-              label_smoothing=config.loss.label_smoothing,
-              z_loss=config.loss.z_loss,
-              grad_accum_steps=config.train.grad_accum_steps,
-          ),
-          mesh,
-          rules,
-      ),
-      in_shardings=(shardings, batch_sharding),
-      out_shardings=(shardings, replicated),
-      donate_argnums=0,
+  run = run_lib.setup(config, pathlib.Path(workdir))
+  total, eval_every, save_every = config.train.steps, config.train.eval_every, config.checkpoint.every
+  window = metrics_lib.MetricsWindow(
+      log_every=config.train.log_every,
+      total=total,
+      flops_per_token=run.flops_per_token,
+      peak_flops=run.peak_flops,
+      report=run.report,
+      on_nonfinite=run.on_nonfinite,
   )
-  eval_step = jax.jit(
-      sharding.with_rules(functools.partial(steps.eval_step, apply_fn=apply_fn), mesh, rules),
-      in_shardings=(shardings.params, batch_sharding),
-      out_shardings=replicated,
-  )
-  evaluator = evaluation.Evaluator(config, module, eval_step, to_global, replicated)
-
-  counts = model_summary.count_params(
-      models.ModelConfig.from_config(config.model), nn.unbox(boxed_params)
-  )
-  flops_per_token = model_summary.flops_per_token(
-      models.ModelConfig.from_config(config.model), counts, *model_summary.sequence_lengths(config)
-  )
-  peak = metrics_lib.peak_flops(config.train.peak_flops)
-
-  writer = metrics_lib.MetricWriter(workdir, start)
-  total = config.train.steps
-  bar = progress_lib.Progress(config.train.progress, start, total, enabled=is_main)
-  t = config.train
-  window = {"sums": None, "tokens": 0, "time": time.time()}
-  last_eval: dict[str, float] = {}
-  last_train: dict[str, float] = {}
-  preempted = False
-
-  def consume(step: int, device_metrics: dict, tokens: int) -> None:
-    """Host side of one finished step: non-finite check, window sums, a log line."""
-    m = _host(device_metrics)
-    if int(m["nonfinite"]):
-      if t.nonfinite == "abort":
-        raise NonFiniteLossError(
-            f"non-finite loss or gradient at step {step} (config.train.nonfinite='abort'); "
-            f"the last good checkpoint is step {ckpt.latest_step()} in {ckpt.directory}"
-        )
-      bar.write(f"step {step}: non-finite loss or gradient; update skipped")
-    sums = {k: m[k] for k in ("loss_sum", "correct_sum", "weight_sum")}
-    window["sums"] = (
-        sums if window["sums"] is None else {k: window["sums"][k] + sums[k] for k in sums}
-    )
-    window["tokens"] += tokens
-    window["last"] = m
-    if step % t.log_every == 0 or step == total:
-      elapsed = max(time.time() - window["time"], 1e-9)
-      s = window["sums"]
-      denom = max(float(s["weight_sum"]), 1e-9)
-      tokens_per_sec = window["tokens"] / elapsed
-      line = {
-          "loss": float(s["loss_sum"]) / denom,
-          "accuracy": float(s["correct_sum"]) / denom,
-          "learning_rate": float(m["learning_rate"]),
-          "grad_norm": float(m["grad_norm"]),
-          "tokens_per_sec": tokens_per_sec,
-          "mfu": tokens_per_sec * flops_per_token / peak,
-      }
-      last_train.update(line)
-      writer.write(step, line)
-      bar.update(step, line)
-      window.update(sums=None, tokens=0, time=time.time())
-
-  pending = None  # (step, device metrics, tokens) of the last dispatched step
+  last_eval, preempted = {}, False
   with _StopFlag() as stop:
     try:
-      for step in range(start + 1, total + 1):
-        local = pending_batch if pending_batch is not None else next(train_iter)
-        pending_batch = None
-        state, device_metrics = train_step(state, to_global(local))
-        if pending is not None:
-          consume(*pending)
-        pending = (step, device_metrics, metrics_lib.batch_tokens(local))
-        if step == start + 1:  # the first step's time is mostly compilation
-          consume(*pending)
-          pending = None
-          window.update(tokens=0, time=time.time())
-        is_eval = step == total or (t.eval_every and step % t.eval_every == 0)
-        is_save = step == total or (config.checkpoint.every and step % config.checkpoint.every == 0)
-        stopping = stop.is_set()
-        if is_eval or is_save or stopping:
-          if pending is not None:
-            consume(*pending)
-            pending = None
+      for step in range(run.start + 1, total + 1):
+        batch = run.next_batch()
+        run.state, device_metrics = run.train_step(run.state, run.to_global(batch))
+        window.push(step, device_metrics, metrics_lib.batch_tokens(batch))
+        if step == run.start + 1:  # the first step's time is mostly compilation
+          window.flush()
+          window.restart_clock()
+        preempted = stop.is_set()
+        evaluate = is_due(step, eval_every, total) and not preempted
+        save = is_due(step, save_every, total) or preempted
+        if evaluate or save:
+          window.flush()
         eval_metrics = None
-        if is_eval and not stopping:
-          eval_metrics = evaluator.evaluate(state.params)
-          last_eval.update(eval_metrics)
-          writer.write(step, eval_metrics)
-          bar.update(step, eval_metrics)
-          window["time"] = time.time()  # eval time is not training throughput
-        best = eval_metrics if config.checkpoint.best_metric else None
-        if is_save or stopping or best is not None:
-          ckpt.save(step, state, train_iter, metrics=best)
-        if stopping:
-          bar.write(f"signal {stop.signum} received: saved step {step}, exiting")
-          preempted = True
+        if evaluate:
+          with window.paused():
+            eval_metrics = last_eval = run.evaluate(step)
+        if save or (evaluate and config.checkpoint.best_metric):
+          run.save(step, eval_metrics if config.checkpoint.best_metric else None)
+        if preempted:
+          run.bar.write(f"signal {stop.signum} received: saved step {step}, exiting")
           break
-      if pending is not None:
-        consume(*pending)
+      window.flush()
     finally:
-      bar.close()
-      writer.close()
-      ckpt.close()
+      run.close()
+  return _summarize(run, {**window.last, **last_eval}, preempted, time.time() - wall_start)
 
-  final_step = int(jax.device_get(state.step))
+
+def _summarize(
+    run: run_lib.TrainRun, metrics: dict[str, float], preempted: bool, wall_time: float
+) -> dict[str, Any]:
+  """The returned summary; after a complete run, also the plot, examples and summary.json."""
+  t = run.config.train
   result = {
-      "step": final_step,
+      "step": int(jax.device_get(run.state.step)),
       "preempted": preempted,
-      "workdir": str(workdir),
-      "wall_time_sec": time.time() - wall_start,
-      "params": counts.total,
-      "skipped_updates": int(jax.device_get(state.skipped)),
-      **last_train,
-      **last_eval,
+      "workdir": str(run.workdir),
+      "wall_time_sec": wall_time,
+      "params": run.params_total,
+      "skipped_updates": int(jax.device_get(run.state.skipped)),
+      **metrics,
   }
-  if not preempted and is_main:
-    if t.plot:
-      result["curves"] = str(metrics_lib.plot_curves(workdir))
-    if t.decode_metrics and t.print_examples:
-      for src, out, ref in evaluator.examples(state.params, t.print_examples):
-        print(f"  {src!r} -> {out!r}   (reference {ref!r})")
-    print(
-        f"metrics: {workdir / 'metrics.jsonl'}  curves: {result.get('curves', '-')}  "
-        f"TensorBoard: tensorboard --logdir {workdir / 'tensorboard'}"
-    )
-    (workdir / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
+  if preempted or not run.is_main:
+    return result
+  if t.plot:
+    result["curves"] = str(metrics_lib.plot_curves(run.workdir))
+  if t.decode_metrics and t.print_examples:
+    for src, out, ref in run.evaluator.examples(run.state.params, t.print_examples):
+      print(f"  {src!r} -> {out!r}   (reference {ref!r})")
+  print(
+      f"metrics: {run.workdir / 'metrics.jsonl'}  curves: {result.get('curves', '-')}  "
+      f"TensorBoard: tensorboard --logdir {run.workdir / 'tensorboard'}"
+  )
+  (run.workdir / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
   return result

@@ -1,10 +1,11 @@
 """Metric outputs of a run: metrics.jsonl, TensorBoard events, MFU, and the curves plot."""
 
+import contextlib
 import json
 import math
 import pathlib
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -115,3 +116,77 @@ def plot_curves(workdir: str | pathlib.Path) -> pathlib.Path:
   fig.savefig(out, dpi=100)
   plt.close(fig)
   return out
+
+
+class MetricsWindow:
+  """Training metrics fetched one step late and summed over the steps since the last log line.
+
+  `push` hands over the step just dispatched and pulls the previous one to the host, so the
+  host never waits for the device; `flush` pulls the pending step (before an eval or a save).
+  """
+
+  SUMMED = ("loss_sum", "correct_sum", "weight_sum")
+
+  def __init__(
+      self,
+      *,
+      log_every: int,
+      total: int,
+      flops_per_token: float,
+      peak_flops: float,
+      report: Callable[[int, dict[str, float]], None],
+      on_nonfinite: Callable[[int], None],
+  ):
+    self.log_every, self.total = log_every, total
+    self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+    self._report, self._on_nonfinite = report, on_nonfinite
+    self._pending = None  # (step, device metrics, tokens) of the last dispatched step
+    self.last: dict[str, float] = {}  # the newest logged line
+    self._sums = None
+    self.restart_clock()
+
+  def restart_clock(self) -> None:
+    """Counts throughput from now on (after the first step, which is mostly compilation)."""
+    self._tokens, self._time = 0, time.time()
+
+  @contextlib.contextmanager
+  def paused(self):
+    """Time spent inside (an eval) is not training time."""
+    start = time.time()
+    try:
+      yield
+    finally:
+      self._time += time.time() - start
+
+  def push(self, step: int, device_metrics: dict, tokens: int) -> None:
+    previous, self._pending = self._pending, (step, device_metrics, tokens)
+    if previous is not None:
+      self._consume(*previous)
+
+  def flush(self) -> None:
+    previous, self._pending = self._pending, None
+    if previous is not None:
+      self._consume(*previous)
+
+  def _consume(self, step: int, device_metrics: dict, tokens: int) -> None:
+    m = jax.tree.map(np.asarray, jax.device_get(device_metrics))
+    if int(m["nonfinite"]):
+      self._on_nonfinite(step)
+    sums = {k: m[k] for k in self.SUMMED}
+    self._sums = sums if self._sums is None else {k: self._sums[k] + sums[k] for k in sums}
+    self._tokens += tokens
+    if step % self.log_every and step != self.total:
+      return
+    tokens_per_sec = self._tokens / max(time.time() - self._time, 1e-9)
+    denom = max(float(self._sums["weight_sum"]), 1e-9)
+    self.last = {
+        "loss": float(self._sums["loss_sum"]) / denom,
+        "accuracy": float(self._sums["correct_sum"]) / denom,
+        "learning_rate": float(m["learning_rate"]),
+        "grad_norm": float(m["grad_norm"]),
+        "tokens_per_sec": tokens_per_sec,
+        "mfu": tokens_per_sec * self.flops_per_token / self.peak_flops,
+    }
+    self._report(step, self.last)
+    self._sums = None
+    self.restart_clock()

@@ -1,0 +1,196 @@
+"""Everything a training run needs before its first step, as one small object.
+
+`setup(config, workdir)` builds shapes first (`jax.eval_shape`), then shardings, then a
+sharded `jax.jit(init)` or a restore from the workdir's newest good checkpoint, and the
+jitted train/eval steps. The loop in `loop.py` only steps, logs, evaluates and saves.
+"""
+
+import dataclasses
+import functools
+import pathlib
+from typing import Any, Callable, Iterator
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from tx_jax import checkpoint as checkpoint_lib
+from tx_jax import data
+from tx_jax import models
+from tx_jax import sharding
+from tx_jax.models import summary as model_summary
+from tx_jax.train import evaluator as evaluation, metrics as metrics_lib, optimizers
+from tx_jax.train import progress as progress_lib, state as state_lib, steps
+
+
+class NonFiniteLossError(RuntimeError):
+  """The loss or gradient went non-finite and config.train.nonfinite is 'abort'."""
+
+
+def make_apply_fn(module: Any, model_cfg: ml_collections.ConfigDict) -> steps.ApplyFn:
+  """(params, batch, train, rng) -> logits for any family, via models.model_inputs."""
+
+  def apply_fn(params, batch, train, rng):
+    args, kwargs = models.model_inputs(model_cfg, batch)
+    return module.apply({"params": params}, *args, **kwargs, train=train, rngs={"dropout": rng})
+
+  return apply_fn
+
+
+@dataclasses.dataclass
+class TrainRun:
+  """A run ready to step: state, jitted steps, data, and where its outputs go."""
+
+  config: ml_collections.ConfigDict
+  workdir: pathlib.Path
+  is_main: bool
+  state: Any
+  start: int  # the step the state holds (0 for a fresh run)
+  train_step: Callable
+  evaluator: evaluation.Evaluator
+  train_iter: Iterator
+  to_global: Callable[[dict], Any]
+  ckpt: checkpoint_lib.Checkpointer
+  writer: metrics_lib.MetricWriter
+  bar: progress_lib.Progress
+  params_total: int
+  flops_per_token: float
+  peak_flops: float
+  first_batch: dict | None  # read to learn the shapes; trained on first unless resumed
+
+  def next_batch(self) -> dict:
+    """The next host-local batch (the one read for the shapes comes first)."""
+    batch, self.first_batch = self.first_batch, None
+    return batch if batch is not None else next(self.train_iter)
+
+  def report(self, step: int, metrics: dict[str, float]) -> None:
+    """One line of metrics to metrics.jsonl, TensorBoard and the progress display."""
+    self.writer.write(step, metrics)
+    self.bar.update(step, metrics)
+
+  def evaluate(self, step: int) -> dict[str, float]:
+    """Runs every configured eval on the current params and reports it."""
+    metrics = self.evaluator.evaluate(self.state.params)
+    self.report(step, metrics)
+    return metrics
+
+  def save(self, step: int, metrics: dict[str, float] | None = None) -> None:
+    self.ckpt.save(step, self.state, self.train_iter, metrics=metrics)
+
+  def on_nonfinite(self, step: int) -> None:
+    """Aborts, naming the last good checkpoint, or notes the skipped update."""
+    if self.config.train.nonfinite == "abort":
+      raise NonFiniteLossError(
+          f"non-finite loss or gradient at step {step} (config.train.nonfinite='abort'); "
+          f"the last good checkpoint is step {self.ckpt.latest_step()} in {self.ckpt.directory}"
+      )
+    self.bar.write(f"step {step}: non-finite loss or gradient; update skipped")
+
+  def close(self) -> None:
+    self.bar.close()
+    self.writer.close()
+    self.ckpt.close()
+
+
+def _jit_steps(config, module, tx, schedule, shardings, mesh, rules):
+  """The train step (state donated) and eval step, traced under the mesh and logical rules."""
+  apply_fn = make_apply_fn(module, config.model)
+  replicated = sharding.replicated(mesh)
+  batch_sharding = sharding.batch_sharding(mesh)
+  train_step = jax.jit(
+      sharding.with_rules(
+          functools.partial(
+              steps.train_step,
+              apply_fn=apply_fn,
+              tx=tx,
+              schedule=schedule,
+              label_smoothing=config.loss.label_smoothing,
+              z_loss=config.loss.z_loss,
+              grad_accum_steps=config.train.grad_accum_steps,
+          ),
+          mesh,
+          rules,
+      ),
+      in_shardings=(shardings, batch_sharding),
+      out_shardings=(shardings, replicated),
+      donate_argnums=0,
+  )
+  eval_step = jax.jit(
+      sharding.with_rules(functools.partial(steps.eval_step, apply_fn=apply_fn), mesh, rules),
+      in_shardings=(shardings.params, batch_sharding),
+      out_shardings=replicated,
+  )
+  return train_step, eval_step
+
+
+def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> TrainRun:
+  """Builds (or restores) the sharded state and the jitted steps for `config` in `workdir`."""
+  is_main = jax.process_index() == 0
+  if is_main:
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2) + "\n")
+
+  mesh = sharding.make_mesh(config.mesh)
+  rules = sharding.logical_rules(config)
+  to_global = lambda b: data.make_global_batch(b, mesh, sharding.BATCH_AXES)  # noqa: E731
+
+  module = models.build(config.model)
+  tx, schedule = optimizers.build_optimizer(config)
+  train_iter = data.build_train_iterator(config)
+  first_batch = next(train_iter)
+  example = {k: jnp.zeros((1,) + v.shape[1:], v.dtype) for k, v in first_batch.items()}
+
+  def init_params(rng):
+    args, kwargs = models.model_inputs(config.model, example)
+    return module.init({"params": rng}, *args, **kwargs, train=False)["params"]
+
+  init_fn = state_lib.make_init_fn(init_params, tx, config.seed)
+  # Init is not wrapped in the rules context (sharding.with_rules says so): out_shardings
+  # place the parameters.
+  boxed_params = jax.eval_shape(init_params, jax.random.PRNGKey(0))
+  abstract_state = jax.eval_shape(init_fn)
+  shardings = sharding.state_shardings(abstract_state, boxed_params, mesh, rules)
+
+  ckpt = checkpoint_lib.Checkpointer(workdir / "checkpoints", config.checkpoint)
+  restored = None
+  if config.checkpoint.resume:
+    restored = ckpt.restore_latest(
+        checkpoint_lib.abstract_with_shardings(abstract_state, shardings), train_iter
+    )
+  if restored is not None:
+    state, start = restored
+    first_batch = None  # the iterator resumes exactly after the checkpoint's last batch
+    if is_main:
+      print(f"resumed from step {start} in {ckpt.directory}", flush=True)
+  else:
+    state = jax.jit(init_fn, out_shardings=shardings)()
+    start = 0
+
+  train_step, eval_step = _jit_steps(config, module, tx, schedule, shardings, mesh, rules)
+  evaluator = evaluation.Evaluator(
+      config, module, eval_step, to_global, sharding.replicated(mesh)
+  )
+  model_config = models.ModelConfig.from_config(config.model)
+  counts = model_summary.count_params(model_config, nn.unbox(boxed_params))
+  flops_per_token = model_summary.flops_per_token(
+      model_config, counts, *model_summary.sequence_lengths(config)
+  )
+  return TrainRun(
+      config=config,
+      workdir=workdir,
+      is_main=is_main,
+      state=state,
+      start=start,
+      train_step=train_step,
+      evaluator=evaluator,
+      train_iter=train_iter,
+      to_global=to_global,
+      ckpt=ckpt,
+      writer=metrics_lib.MetricWriter(workdir, start),
+      bar=progress_lib.Progress(config.train.progress, start, config.train.steps, enabled=is_main),
+      params_total=counts.total,
+      flops_per_token=flops_per_token,
+      peak_flops=metrics_lib.peak_flops(config.train.peak_flops),
+      first_batch=first_batch,
+  )
