@@ -4,7 +4,7 @@ checkpoint, mesh and sharding sections. Family files override values only.
 
 import ml_collections
 
-from configs import data_defaults, mesh_defaults, train_defaults
+from configs import data_defaults, sharding_rules, train_defaults
 
 
 def model_config() -> ml_collections.ConfigDict:
@@ -65,8 +65,8 @@ def base_config() -> ml_collections.ConfigDict:
   config.schedule = train_defaults.schedule_config()
   config.loss = train_defaults.loss_config()
   config.checkpoint = train_defaults.checkpoint_config()
-  config.mesh = mesh_defaults.mesh_config()
-  config.sharding = mesh_defaults.sharding_config()
+  config.mesh = sharding_rules.mesh_config()
+  config.sharding = sharding_rules.sharding_config()
   return config
 
 

@@ -1,5 +1,6 @@
 """tx_jax.sharding on 8 fake CPU devices, with a tiny hand-made logically-partitioned model."""
 
+import dataclasses
 import math
 
 import flax.linen as nn
@@ -11,15 +12,13 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from configs import mesh_defaults
-from tx_jax import sharding
+from configs import sharding_rules
+from tests.models.variants import VARIANTS
+from tx_jax import models, sharding
+from tx_jax.layers import axes
 
 VOCAB, EMBED, HEADS, HEAD_DIM, MLP, BATCH, LEN = 32, 16, 4, 4, 32, 8, 4
 MESHES = [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)]
-
-
-def _dense(shape, names, name, parent_init=nn.initializers.normal(0.2)):
-  return nn.with_logical_partitioning(parent_init, names), shape, name
 
 
 class TinyLM(nn.Module):
@@ -29,41 +28,42 @@ class TinyLM(nn.Module):
   def __call__(self, tokens):
     init = nn.initializers.normal(0.2)
     part = nn.with_logical_partitioning
-    emb = self.param("embedding", part(init, ("vocab", "embed")), (VOCAB, EMBED))
+    emb = self.param("embedding", part(init, (axes.VOCAB, axes.EMBED)), (VOCAB, EMBED))
     x = jnp.take(emb, tokens, axis=0)
-    x = nn.with_logical_constraint(x, ("act_batch", "act_len", "act_embed"))
-    scale = self.param("scale", part(nn.initializers.ones, ("embed",)), (EMBED,))
+    x = axes.constrain(x, "BTD")
+    scale = self.param("scale", part(nn.initializers.ones, (axes.EMBED,)), (EMBED,))
     h = x * scale
-    q = self.param("query", part(init, ("embed", "heads", "head_dim")), (EMBED, HEADS, HEAD_DIM))
-    k = self.param("key", part(init, ("embed", "kv_heads", "head_dim")), (EMBED, HEADS, HEAD_DIM))
-    v = self.param("value", part(init, ("embed", "kv_heads", "head_dim")), (EMBED, HEADS, HEAD_DIM))
-    o = self.param("out", part(init, ("heads", "head_dim", "embed")), (HEADS, HEAD_DIM, EMBED))
+    qkv_shape, out_shape = (EMBED, HEADS, HEAD_DIM), (HEADS, HEAD_DIM, EMBED)
+    q_axes = (axes.EMBED, axes.HEADS, axes.HEAD_DIM)
+    kv_axes = (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM)
+    q = self.param("query", part(init, q_axes), qkv_shape)
+    k = self.param("key", part(init, kv_axes), qkv_shape)
+    v = self.param("value", part(init, kv_axes), qkv_shape)
+    o = self.param("out", part(init, (axes.HEADS, axes.HEAD_DIM, axes.EMBED)), out_shape)
     q_BTNH = jnp.einsum("btd,dnh->btnh", h, q)
-    q_BTNH = nn.with_logical_constraint(
-        q_BTNH, ("act_batch", "act_len", "act_heads", "act_head_dim")
-    )
+    q_BTNH = axes.constrain(q_BTNH, "BTNH")
     k_BSNH = jnp.einsum("btd,dnh->btnh", h, k)
     v_BSNH = jnp.einsum("btd,dnh->btnh", h, v)
     logits = jnp.einsum("btnh,bsnh->bnts", q_BTNH, k_BSNH) / math.sqrt(HEAD_DIM)
     att = jax.nn.softmax(logits, axis=-1)
     x = x + jnp.einsum("bnts,bsnh,nhd->btd", att, v_BSNH, o)
-    x = nn.with_logical_constraint(x, ("act_batch", "act_len", "act_embed"))
-    up = self.param("up", part(init, ("embed", "mlp")), (EMBED, MLP))
-    down = self.param("down", part(init, ("mlp", "embed")), (MLP, EMBED))
-    bias = self.param("up_bias", part(nn.initializers.zeros, ("mlp",)), (MLP,))
+    x = axes.constrain(x, "BTD")
+    up = self.param("up", part(init, (axes.EMBED, axes.MLP)), (EMBED, MLP))
+    down = self.param("down", part(init, (axes.MLP, axes.EMBED)), (MLP, EMBED))
+    bias = self.param("up_bias", part(nn.initializers.zeros, (axes.MLP,)), (MLP,))
     hid = nn.gelu(x @ up + bias)
-    hid = nn.with_logical_constraint(hid, ("act_batch", "act_len", "act_mlp"))
+    hid = axes.constrain(hid, "BTF")
     x = x + hid @ down
-    head = self.param("head", part(init, ("embed", "vocab")), (EMBED, VOCAB))
+    head = self.param("head", part(init, (axes.EMBED, axes.VOCAB)), (EMBED, VOCAB))
     logits_BTV = x @ head
-    return nn.with_logical_constraint(logits_BTV, ("act_batch", "act_len", "act_vocab"))
+    return axes.constrain(logits_BTV, "BTV")
 
 
 def _config(data=-1, fsdp=1, tensor=1, sequence=1, batch=BATCH, accum=1, **model):
   config = ml_collections.ConfigDict()
-  config.mesh = mesh_defaults.mesh_config()
+  config.mesh = sharding_rules.mesh_config()
   config.mesh.update(data=data, fsdp=fsdp, tensor=tensor, sequence=sequence)
-  config.sharding = mesh_defaults.sharding_config()
+  config.sharding = sharding_rules.sharding_config()
   config.model = ml_collections.ConfigDict(
       dict(num_heads=HEADS, num_kv_heads=HEADS, mlp_dim=MLP, vocab_size=VOCAB, d_model=EMBED)
   )
@@ -94,7 +94,7 @@ def tiny():
 
 
 def test_mesh_shape_fills_the_minus_one_axis():
-  cfg = mesh_defaults.mesh_config()
+  cfg = sharding_rules.mesh_config()
   assert sharding.mesh_shape(cfg, 8) == dict(data=8, fsdp=1, sequence=1, tensor=1)
   cfg.update(data=2, fsdp=-1, tensor=2)
   assert sharding.mesh_shape(cfg, 8) == dict(data=2, fsdp=2, sequence=1, tensor=2)
@@ -110,7 +110,7 @@ def test_mesh_shape_fills_the_minus_one_axis():
     ],
 )
 def test_mesh_shape_errors_name_the_numbers(sizes, pattern):
-  cfg = mesh_defaults.mesh_config()
+  cfg = sharding_rules.mesh_config()
   cfg.update(**sizes)
   with pytest.raises(ValueError, match=pattern):
     sharding.mesh_shape(cfg, 8)
@@ -145,32 +145,33 @@ def test_logical_rules_normalise_json_lists_and_reject_unknown_axes():
     sharding.logical_rules(config)
 
 
-def test_default_rules_cover_every_logical_axis_name():
-  names = {name for name, _ in sharding.logical_rules(_config())}
-  params = {
-      "vocab",
-      "embed",
-      "mlp",
-      "heads",
-      "kv_heads",
-      "head_dim",
-      "layers",
-      "relpos_buckets",
-      "type_vocab",
-      "position",
-  }
-  acts = {
-      "act_batch",
-      "act_len",
-      "act_kv_len",
-      "act_embed",
-      "act_heads",
-      "act_kv_heads",
-      "act_head_dim",
-      "act_mlp",
-      "act_vocab",
-  }
-  assert names == params | acts
+def _names_the_models_use(monkeypatch) -> set[str]:
+  """Logical names in the boxed abstract params and activation constraints of every family."""
+  used = set()
+  constrain = nn.with_logical_constraint
+
+  def recording(x, names, *args, **kwargs):
+    used.update(name for name in names if name is not None)
+    return constrain(x, names, *args, **kwargs)
+
+  monkeypatch.setattr(nn, "with_logical_constraint", recording)
+  # Learned positions (gpt2, bert), GQA + RoPE (llama), type embeddings (bert), relative
+  # buckets and cross-attention (t5); scanned, so the stacked "layers" axis appears too.
+  for name in ("gpt2", "llama", "bert", "t5"):
+    config = dataclasses.replace(VARIANTS[name], scan_layers=True)
+    boxed = models.abstract_params(config, boxed=True)
+    boxes = jax.tree_util.tree_leaves(boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+    assert boxes and all(isinstance(box, nn.Partitioned) for box in boxes), name
+    used.update(axis for box in boxes for axis in box.names if axis is not None)
+  return used
+
+
+def test_default_rules_cover_every_logical_axis_name(monkeypatch):
+  rule_names = [name for name, _ in sharding.logical_rules(_config())]
+  assert len(rule_names) == len(set(rule_names))
+  used = _names_the_models_use(monkeypatch)
+  assert set(rule_names) == used
+  assert used == set(axes.PARAM_AXES) | set(axes.ACTIVATION_AXES.values())
 
 
 # ----------------------------------------------------------------------------- param shardings

@@ -13,7 +13,6 @@ Mappings live in `tx_jax.interop`; transformers is not needed at runtime.
 
 from __future__ import annotations
 
-import functools
 import json
 import pathlib
 import re
@@ -93,14 +92,6 @@ def _fill(section: ml_collections.ConfigDict, values: Mapping[str, Any]) -> None
     section[key] = type(current)(value) if isinstance(current, (bool, int, float)) else value
 
 
-def _abstract_params(module: nn.Module, family: str) -> dict[str, jax.ShapeDtypeStruct]:
-  ids = jnp.zeros((1, 1), jnp.int32)
-  args = (ids, ids) if family == "encdec" else (ids,)
-  init = functools.partial(module.init, train=False)
-  variables = jax.eval_shape(init, jax.random.PRNGKey(0), *args)
-  return traverse_util.flatten_dict(nn.unbox(variables["params"]), sep="/")
-
-
 def _stack_layers(flat: dict[str, Any]) -> dict[str, Any]:
   """Unrolled `stack/layer_{i}/...` -> scanned `stack/layers/layer/...` [L, ...]."""
   out, groups = {}, {}
@@ -116,24 +107,10 @@ def _stack_layers(flat: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
-def _unstack_layers(flat: dict[str, Any]) -> dict[str, Any]:
-  """Scanned `stack/layers/layer/...` [L, ...] -> unrolled `stack/layer_{i}/...`."""
-  out = {}
-  for path, value in flat.items():
-    match = re.match(r"^(stack|encoder|decoder)/layers/layer/(.*)$", path)
-    if match is None:
-      out[path] = value
-      continue
-    for i in range(value.shape[0]):
-      out[f"{match.group(1)}/layer_{i}/{match.group(2)}"] = value[i]
-  return out
-
-
 def _load_params(
     arch: Architecture,
     mc: ModelConfig,
     weights: dict[str, np.ndarray],
-    module: nn.Module,
     where: str,
 ) -> dict[str, Any]:
   flat, missing, consumed = {}, [], set()
@@ -166,7 +143,7 @@ def _load_params(
     )
   if mc.scan_layers:
     flat = _stack_layers(flat)
-  expected = _abstract_params(module, mc.family)
+  expected = traverse_util.flatten_dict(models.abstract_params(mc), sep="/")
   wrong = sorted(set(expected) ^ set(flat))
   if wrong:  # a mapping bug, not a user error
     raise ConversionError(f"{where}: converted parameters do not match the model: {wrong[:8]}")
@@ -225,7 +202,7 @@ def from_pretrained(
     config.data.tokenizer = "sentencepiece"  # T5's vocabulary: pad 0, eos 1, unk 2
     config.data.spm_model_path = str((path / "spiece.model").absolute())
   module = models.build(mc)
-  return config, module, _load_params(arch, mc, weights, module, str(path))
+  return config, module, _load_params(arch, mc, weights, str(path))
 
 
 def _architecture_for(mc: ModelConfig) -> Architecture:
@@ -281,9 +258,8 @@ def to_pretrained(
   else:
     mc = ModelConfig.from_config(config.model if "model" in config else config)
   arch = _architecture_for(mc)
-  flat = traverse_util.flatten_dict(unfreeze(nn.unbox(jax.device_get(params))), sep="/")
-  if mc.scan_layers:
-    flat = _unstack_layers(flat)
+  params = models.unstack_layers(unfreeze(nn.unbox(jax.device_get(params))))  # as unrolled
+  flat = traverse_util.flatten_dict(params, sep="/")
   rules = arch.rules(mc)
   values = {
       **arch.write_config(mc),
@@ -370,9 +346,7 @@ def load_from_workdir(workdir: str | pathlib.Path) -> tuple[ml_collections.Confi
   if not (workdir / "config.json").is_file():
     raise ConversionError(f"{workdir} has no config.json: not a tx_jax workdir")
   config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
-  module = models.build(config.model)
-  shapes = _abstract_params(module, config.model.family)
-  abstract_params = traverse_util.unflatten_dict(shapes, sep="/")
+  abstract_params = models.abstract_params(config.model)
   tx, _ = optimizers.build_optimizer(config)
   abstract = jax.eval_shape(state.make_init_fn(lambda _: abstract_params, tx, config.seed))
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])

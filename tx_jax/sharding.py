@@ -5,7 +5,7 @@ Mesh axes, outermost (cheapest network) first:
   fsdp      ZeRO-3: the batch is split and so are parameters and optimizer state.
   sequence  optional sequence parallelism: activations split along their length.
   tensor    Megatron tensor parallelism: heads, mlp width and vocabulary split.
-Models name every axis logically (tx_jax/layers/__init__.py); `config.sharding.rules` maps
+Models name every axis logically (tx_jax/layers/axes.py); `config.sharding.rules` maps
 those names onto these mesh axes. This file knows no model and no trainer.
 
 Typical use (eval_shape, then shardings, then a sharded init; no full copy on one device):
@@ -21,10 +21,9 @@ Typical use (eval_shape, then shardings, then a sharded init; no full copy on on
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -34,6 +33,9 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from tx_jax.layers import axes
+from tx_jax.pytree import path_str
+
 MESH_AXES = ("data", "fsdp", "sequence", "tensor")  # outermost (cheapest network) first
 BATCH_AXES = ("data", "fsdp")  # mesh axes that split the global batch
 
@@ -41,11 +43,11 @@ Rules = tuple[tuple[str, "str | tuple[str, ...] | None"], ...]
 
 # (config.model field, logical axis it sizes): checked for divisibility by validate().
 _MODEL_DIMS = (
-    ("num_heads", "heads"),
-    ("num_kv_heads", "kv_heads"),
-    ("mlp_dim", "mlp"),
-    ("vocab_size", "vocab"),
-    ("d_model", "embed"),
+    ("num_heads", axes.HEADS),
+    ("num_kv_heads", axes.KV_HEADS),
+    ("mlp_dim", axes.MLP),
+    ("vocab_size", axes.VOCAB),
+    ("d_model", axes.EMBED),
 )
 _SEQ2SEQ_TASKS = ("seq2seq", "span_corruption")  # config.data.task values with two lengths
 
@@ -170,13 +172,6 @@ def mesh_axes_of(logical: str, rules: Rules) -> tuple[str, ...]:
   return ()
 
 
-@contextlib.contextmanager
-def activate(mesh: Mesh, rules: Rules) -> Iterator[None]:
-  """Context in which `nn.with_logical_constraint` and boxed params resolve on `mesh`."""
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    yield
-
-
 def with_rules(fn: Callable[..., Any], mesh: Mesh, rules: Rules) -> Callable[..., Any]:
   """`fn` traced under `mesh` and `rules`, so its activation constraints apply wherever it is jitted.
 
@@ -207,10 +202,6 @@ def _key_str(entry: Any) -> str | None:
   return None
 
 
-def _path_str(path: Sequence[Any]) -> str:
-  return "/".join(str(getattr(e, "key", getattr(e, "name", getattr(e, "idx", e)))) for e in path)
-
-
 def _mesh_spec(names: Sequence[str | None], rules: Rules) -> PartitionSpec:
   return nn.logical_to_mesh_axes(tuple(names), rules)
 
@@ -222,17 +213,17 @@ def _check_divisible(
     mesh: Mesh,
     names: Sequence[str | None] | None = None,
 ) -> None:
-  for dim, (size, axes) in enumerate(zip(shape, tuple(spec) + (None,) * len(shape))):
-    if axes is None:
+  for dim, (size, mesh_axes) in enumerate(zip(shape, tuple(spec) + (None,) * len(shape))):
+    if mesh_axes is None:
       continue
-    axes = axes if isinstance(axes, tuple) else (axes,)
-    shards = math.prod(mesh.shape[a] for a in axes)
+    mesh_axes = mesh_axes if isinstance(mesh_axes, tuple) else (mesh_axes,)
+    shards = math.prod(mesh.shape[a] for a in mesh_axes)
     if size % shards:
       logical = f" ({names[dim]!r})" if names else ""
       raise ValueError(
           f"{what}: dim {dim}{logical} of size {size} is not divisible by mesh axes "
-          f"{'x'.join(axes)} = {shards}; change config.mesh or map {names[dim] if names else 'it'}"
-          " to other mesh axes in config.sharding.rules"
+          f"{'x'.join(mesh_axes)} = {shards}; change config.mesh or map "
+          f"{names[dim] if names else 'it'} to other mesh axes in config.sharding.rules"
       )
 
 
@@ -251,7 +242,7 @@ def param_shardings(abstract_params: Any, mesh: Mesh, rules: Rules) -> Any:
         if isinstance(leaf, nn.LogicallyPartitioned)
         else (leaf.get_partition_spec())
     )
-    _check_divisible(f"param {_path_str(path)}", leaf.value.shape, spec, mesh, names)
+    _check_divisible(f"param {path_str(path)}", leaf.value.shape, spec, mesh, names)
     return NamedSharding(mesh, spec)
 
   return jax.tree_util.tree_map_with_path(one, abstract_params, is_leaf=_is_box)
@@ -360,10 +351,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   sizes = mesh_shape(config.mesh, num_devices)
   rules = logical_rules(config)
 
-  def shards(axes: Sequence[str]) -> tuple[int, str]:
-    axes = [a for a in axes if a in sizes]
-    return math.prod(sizes[a] for a in axes), " x ".join(
-        f"config.mesh.{a}={sizes[a]}" for a in axes
+  def shards(mesh_axes: Sequence[str]) -> tuple[int, str]:
+    mesh_axes = [a for a in mesh_axes if a in sizes]
+    return math.prod(sizes[a] for a in mesh_axes), " x ".join(
+        f"config.mesh.{a}={sizes[a]}" for a in mesh_axes
     )
 
   for field, logical in _MODEL_DIMS:
@@ -378,7 +369,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
           "None in config.sharding.rules"
       )
 
-  n, named = shards(mesh_axes_of("act_batch", rules))
+  n, named = shards(mesh_axes_of(axes.ACT_BATCH, rules))
   accum = config.train.grad_accum_steps
   for field in ("global_batch_size", "eval_global_batch_size"):
     batch = config.data[field]
@@ -399,7 +390,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
         f"the batch axes {named} = {n} do not split over {num_processes} processes, so a process "
         f"cannot feed only its own rows; make their product a multiple of {num_processes}"
     )
-  n, named = shards(mesh_axes_of("act_len", rules))
+  n, named = shards(mesh_axes_of(axes.ACT_LEN, rules))
   lengths = ("source_len", "target_len") if config.data.task in _SEQ2SEQ_TASKS else ("seq_len",)
   for field in lengths if n > 1 else ():
     if config.data[field] % n:
@@ -425,7 +416,7 @@ def describe_shardings(
     names = tuple(leaf.names) if _is_box(leaf) else ()
     rows.append(
         (
-            _path_str(path),
+            path_str(path),
             str(tuple(value.shape)),
             "(" + ", ".join(map(str, names)) + ")",
             str(sh.spec),

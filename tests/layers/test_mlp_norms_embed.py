@@ -1,4 +1,4 @@
-"""MLPs, norms and embeddings against numpy formulas."""
+"""Linear, MLPs, norms, embeddings and axis names against numpy formulas and flax references."""
 
 import math
 
@@ -8,9 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tx_jax.layers import axes
 from tx_jax.layers.embed import Embed
+from tx_jax.layers.linear import Linear
 from tx_jax.layers.mlp import GatedMlp, Mlp
-from tx_jax.layers.norms import make_norm
+from tx_jax.layers.norms import NormSpec, make_norm
 
 X = np.random.default_rng(0).standard_normal((2, 3, 8)).astype(np.float32)
 ERF = np.vectorize(math.erf)
@@ -50,7 +52,7 @@ def test_gated_mlp(activation):
 
 @pytest.mark.parametrize("use_bias", [True, False])
 def test_layernorm(use_bias):
-  module = make_norm("layernorm", eps=1e-5, use_bias=use_bias)
+  module = make_norm(NormSpec("layernorm", eps=1e-5, use_bias=use_bias))
   p = _init(module, X)
   p = jax.tree.map(lambda a: a + 0.3, p)  # non-trivial scale / bias
   x = X.astype(np.float64)
@@ -61,7 +63,7 @@ def test_layernorm(use_bias):
 
 
 def test_rmsnorm():
-  module = make_norm("rmsnorm", eps=1e-6)
+  module = make_norm(NormSpec("rmsnorm", eps=1e-6))
   p = jax.tree.map(lambda a: a * 1.7, _init(module, X))
   x = X.astype(np.float64)
   expected = x / np.sqrt((x**2).mean(-1, keepdims=True) + 1e-6) * np.asarray(p["scale"])
@@ -71,7 +73,7 @@ def test_rmsnorm():
 
 def test_unknown_norm_names_the_field():
   with pytest.raises(ValueError, match="model.norm='batchnorm'"):
-    make_norm("batchnorm", eps=1e-5)
+    make_norm(NormSpec("batchnorm", eps=1e-5))
 
 
 def test_embed_attend_is_the_transposed_table():
@@ -83,3 +85,45 @@ def test_embed_attend_is_the_transposed_table():
   logits = module.apply({"params": p}, jnp.asarray(X), method=Embed.attend)
   assert logits.dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(logits), X @ table.T, atol=1e-5)
+
+
+def test_linear_contracts_trailing_dims_with_a_boxed_full_rank_kernel():
+  x = X.reshape(2, 3, 2, 4)  # contract the last two dims [2, 4] -> features (3, 5)
+  module = Linear((3, 5), ("heads", "head_dim", "embed", "mlp"), in_dims=2, use_bias=True)
+  boxed = module.init(jax.random.PRNGKey(0), x)["params"]
+  assert boxed["kernel"].names == ("heads", "head_dim", "embed", "mlp")
+  assert boxed["bias"].names == ("embed", "mlp")
+  p = jax.tree.map(lambda a: a + 0.1, nn.unbox(boxed))  # a non-zero bias
+  kernel, bias = np.asarray(p["kernel"]), np.asarray(p["bias"])
+  expected = np.einsum("btij,ijfg->btfg", x.astype(np.float64), kernel) + bias
+  np.testing.assert_allclose(np.asarray(module.apply({"params": p}, x)), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_linear_is_nn_dense_bit_for_bit(use_bias):
+  """Same parameter names, init and output as flax's nn.Dense (checkpoints stay loadable)."""
+  init = nn.initializers.normal(0.3)
+  ours = Linear(6, ("embed", "vocab"), use_bias=use_bias, kernel_init=init)
+  dense = nn.Dense(6, use_bias=use_bias, kernel_init=init)
+  p_ours = nn.unbox(ours.init(jax.random.PRNGKey(1), X)["params"])
+  p_dense = dense.init(jax.random.PRNGKey(1), X)["params"]
+  assert jax.tree.structure(p_ours) == jax.tree.structure(p_dense)
+  for a, b in zip(jax.tree.leaves(p_ours), jax.tree.leaves(p_dense)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  np.testing.assert_array_equal(
+      np.asarray(ours.apply({"params": p_ours}, X)), np.asarray(dense.apply({"params": p_dense}, X))
+  )
+
+
+def test_linear_rejects_axes_of_the_wrong_rank():
+  with pytest.raises(ValueError, match=r"axes=\('embed',\) must name 1 input and 1 feature"):
+    Linear(4, ("embed",)).init(jax.random.PRNGKey(0), X)
+
+
+def test_axis_letters_name_activation_axes():
+  assert axes.activation_axes("BTNH") == ("act_batch", "act_len", "act_heads", "act_head_dim")
+  assert axes.activation_axes("BSKH")[1:3] == ("act_kv_len", "act_kv_heads")
+  with pytest.raises(ValueError, match=r"'BTX': unknown letters \['X'\]"):
+    axes.activation_axes("BTX")
+  with pytest.raises(ValueError, match=r"'BT' names 2 dims, the array has 3"):
+    axes.constrain(jnp.asarray(X), "BT")

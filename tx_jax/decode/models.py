@@ -68,25 +68,9 @@ def decoding_module(model_cfg: Any, params: Any) -> tuple[nn.Module, Any]:
   config = model_cfg if isinstance(model_cfg, ModelConfig) else ModelConfig.from_config(model_cfg)
   params = nn.meta.unbox(params)
   if config.scan_layers:
-    params = _unscan(params)
+    params = models.unstack_layers(params)
   config = dataclasses.replace(config, scan_layers=False, remat_policy="none")
   return models.build(config), params
-
-
-def _unscan(tree: Any) -> Any:
-  """Turns every nn.scan'd `layers/layer` subtree with a leading L axis into `layer_{i}`s."""
-  if not isinstance(tree, dict):
-    return tree
-  out = {}
-  for key, value in tree.items():
-    if key == "layers" and isinstance(value, dict) and set(value) == {"layer"}:
-      stacked = value["layer"]
-      num = jax.tree.leaves(stacked)[0].shape[0]
-      for i in range(num):
-        out[f"layer_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
-    else:
-      out[key] = _unscan(value)
-  return out
 
 
 def init_cache(

@@ -12,7 +12,6 @@ import json
 import pathlib
 from typing import Any
 
-import flax.linen as nn
 import jax
 import ml_collections
 import numpy as np
@@ -70,8 +69,7 @@ def restore_params(
     step = steps[-1]
   elif step not in steps:
     raise ValueError(f"checkpoint step {step} is not in {directory}; available: {steps}")
-  module = models.build(model_cfg)
-  abstract = _abstract_params(module, model_cfg.family)
+  abstract = models.abstract_params(model_cfg)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   item = {
       "params": jax.tree.map(
@@ -87,13 +85,6 @@ def restore_params(
   )
   manager.close()
   return restored["state"]["params"], step
-
-
-def _abstract_params(module: Any, family: str) -> Any:
-  ids = jax.ShapeDtypeStruct((1, 4), jax.numpy.int32)
-  inputs = (ids, ids) if family == "encdec" else (ids,)
-  shapes = jax.eval_shape(lambda *x: module.init(jax.random.key(0), *x, train=False), *inputs)
-  return nn.meta.unbox(shapes["params"])
 
 
 def special_ids(

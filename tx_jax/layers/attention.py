@@ -18,61 +18,17 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from tx_jax.layers import axes
 from tx_jax.layers.attention_backends import (
     KeyValuePart,
     dense_attention_over_parts,
     get_backend,
 )
+from tx_jax.layers.linear import Linear
 from tx_jax.layers.positions import apply_rope
 
 Array = jnp.ndarray
-
-
-class Projection(nn.Module):
-  """DenseGeneral whose kernel is boxed at its full rank.
-
-  flax 0.12's DenseGeneral boxes the *flattened* [in, out] kernel with the full-rank logical
-  names and unboxes it, also in apply (its shape check re-traces the init), which fails as
-  soon as a mesh and logical rules are active. Here the initializer sees the same flattened
-  shape (same fans, same random numbers) and the box wraps the reshaped kernel.
-  """
-
-  features: tuple[int, ...]
-  in_dims: int  # trailing input dims contracted
-  names: tuple[str, ...]  # logical names of the kernel: input dims, then feature dims
-  use_bias: bool
-  kernel_init: nn.initializers.Initializer
-  dtype: jnp.dtype
-  param_dtype: jnp.dtype
-
-  @nn.compact
-  def __call__(self, x: Array) -> Array:
-    in_shape = x.shape[x.ndim - self.in_dims :]
-    flat = (int(np.prod(in_shape)), int(np.prod(self.features)))
-
-    def init(rng, shape, dtype=jnp.float32):
-      return jnp.reshape(self.kernel_init(rng, flat, dtype), shape)
-
-    kernel = self.param(
-        "kernel",
-        nn.with_logical_partitioning(init, self.names),
-        in_shape + tuple(self.features),
-        self.param_dtype,
-    )
-    bias = None
-    if self.use_bias:
-      bias = self.param(
-          "bias",
-          nn.with_logical_partitioning(nn.initializers.zeros, self.names[self.in_dims :]),
-          tuple(self.features),
-          self.param_dtype,
-      )
-    x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
-    contract = tuple(range(x.ndim - self.in_dims, x.ndim))
-    y = jax.lax.dot_general(x, kernel, ((contract, tuple(range(self.in_dims))), ((), ())))
-    return y if bias is None else y + bias
 
 
 class MultiHeadAttention(nn.Module):
@@ -91,11 +47,10 @@ class MultiHeadAttention(nn.Module):
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
 
-  def _projection(self, heads: int, head_axis: str, name: str) -> Projection:
-    return Projection(
+  def _projection(self, heads: int, head_axis: str, name: str) -> Linear:
+    return Linear(
         features=(heads, self.head_dim),
-        in_dims=1,
-        names=("embed", head_axis, "head_dim"),
+        axes=(axes.EMBED, head_axis, axes.HEAD_DIM),
         use_bias=self.use_bias,
         kernel_init=self.kernel_init,
         dtype=self.dtype,
@@ -123,9 +78,9 @@ class MultiHeadAttention(nn.Module):
           f"model.num_heads={self.num_heads} must be a multiple of "
           f"model.num_kv_heads={self.num_kv_heads}"
       )
-    q_BTNH = self._projection(self.num_heads, "heads", "query")(x_BTD)
-    key_proj = self._projection(self.num_kv_heads, "kv_heads", "key")
-    value_proj = self._projection(self.num_kv_heads, "kv_heads", "value")
+    q_BTNH = self._projection(self.num_heads, axes.HEADS, "query")(x_BTD)
+    key_proj = self._projection(self.num_kv_heads, axes.KV_HEADS, "key")
+    value_proj = self._projection(self.num_kv_heads, axes.KV_HEADS, "value")
 
     if is_cross:
       k_BSKH, v_BSKH = self._cross_kv(kv_BSD, key_proj, value_proj, decode)
@@ -139,15 +94,9 @@ class MultiHeadAttention(nn.Module):
         return self._output(out_BTNH, x_BTD.shape[-1])
       if decode:
         k_BSKH, v_BSKH = self._append_to_cache(k_BSKH, v_BSKH)
-    q_BTNH = nn.with_logical_constraint(
-        q_BTNH, ("act_batch", "act_len", "act_heads", "act_head_dim")
-    )
-    k_BSKH = nn.with_logical_constraint(
-        k_BSKH, ("act_batch", "act_kv_len", "act_kv_heads", "act_head_dim")
-    )
-    v_BSKH = nn.with_logical_constraint(
-        v_BSKH, ("act_batch", "act_kv_len", "act_kv_heads", "act_head_dim")
-    )
+    q_BTNH = axes.constrain(q_BTNH, "BTNH")
+    k_BSKH = axes.constrain(k_BSKH, "BSKH")
+    v_BSKH = axes.constrain(v_BSKH, "BSKH")
 
     deterministic = not train or self.dropout_rate == 0.0
     out_BTNH = get_backend(self.backend)(
@@ -165,13 +114,11 @@ class MultiHeadAttention(nn.Module):
 
   def _output(self, out_BTNH: Array, features: int) -> Array:
     """The output projection [B, T, N, H] -> [B, T, features]."""
-    out_BTNH = nn.with_logical_constraint(
-        out_BTNH, ("act_batch", "act_len", "act_heads", "act_head_dim")
-    )
-    return Projection(
-        features=(features,),
+    out_BTNH = axes.constrain(out_BTNH, "BTNH")
+    return Linear(
+        features=features,
+        axes=(axes.HEADS, axes.HEAD_DIM, axes.EMBED),
         in_dims=2,
-        names=("heads", "head_dim", "embed"),
         use_bias=self.use_bias,
         kernel_init=self.output_init or self.kernel_init,
         dtype=self.dtype,

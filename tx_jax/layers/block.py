@@ -15,9 +15,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from tx_jax.layers import axes
 from tx_jax.layers.attention import MultiHeadAttention
 from tx_jax.layers.mlp import GatedMlp, Mlp
-from tx_jax.layers.norms import make_norm, residual
+from tx_jax.layers.norms import NormSpec, make_norm, residual
 
 Array = jnp.ndarray
 
@@ -39,9 +40,7 @@ class LayerSpec:
   mlp_dim: int
   mlp_activation: str = "relu"
   gated_mlp: bool = False
-  norm: str = "layernorm"
-  norm_eps: float = 1e-6
-  norm_bias: bool = True
+  norm: NormSpec = NormSpec()
   pre_norm: bool = True
   attention_bias: bool = False
   mlp_bias: bool = True
@@ -78,16 +77,6 @@ class TransformerLayer(nn.Module):
     s = self.spec
     drop = nn.Dropout(s.dropout_rate, deterministic=not self.train)
 
-    def norm(name: str) -> nn.Module:
-      return make_norm(
-          s.norm,
-          eps=s.norm_eps,
-          use_bias=s.norm_bias,
-          dtype=s.dtype,
-          param_dtype=s.param_dtype,
-          name=name,
-      )
-
     def attention(name: str) -> MultiHeadAttention:
       return MultiHeadAttention(
           num_heads=s.num_heads,
@@ -117,7 +106,7 @@ class TransformerLayer(nn.Module):
             train=self.train,
             decode=self.decode,
         ),
-        norm("self_attention_norm"),
+        make_norm(s.norm, "self_attention_norm"),
         pre_norm=s.pre_norm,
         dropout=drop,
     )
@@ -128,7 +117,7 @@ class TransformerLayer(nn.Module):
           lambda h: cross_attention(
               h, encoded_BSD, mask=cross_mask, is_cross=True, train=self.train, decode=self.decode
           ),
-          norm("cross_attention_norm"),
+          make_norm(s.norm, "cross_attention_norm"),
           pre_norm=s.pre_norm,
           dropout=drop,
       )
@@ -147,11 +136,11 @@ class TransformerLayer(nn.Module):
     x_BTD = residual(
         x_BTD,
         lambda h: mlp(h, train=self.train),
-        norm("mlp_norm"),
+        make_norm(s.norm, "mlp_norm"),
         pre_norm=s.pre_norm,
         dropout=drop,
     )
-    return nn.with_logical_constraint(x_BTD, ("act_batch", "act_len", "act_embed"))
+    return axes.constrain(x_BTD, "BTD")
 
 
 class _ScannedLayer(nn.Module):
@@ -210,7 +199,7 @@ class TransformerStack(nn.Module):
           split_rngs={"params": True, "dropout": True},
           in_axes=(nn.broadcast,) * len(args),
           length=self.num_layers,
-          metadata_params={nn.PARTITION_NAME: "layers"},
+          metadata_params={nn.PARTITION_NAME: axes.LAYERS},
       )
       x_BTD, _ = scanned(
           self.spec, train=train, decode=decode, remat_policy=self.remat_policy, name="layers"

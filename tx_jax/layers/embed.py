@@ -5,6 +5,8 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
+from tx_jax.layers.axes import EMBED, VOCAB
+
 Array = jnp.ndarray
 
 
@@ -13,7 +15,7 @@ class Embed(nn.Module):
 
   num_embeddings: int
   dim: int
-  axes: tuple[str, str] = ("vocab", "embed")
+  axes: tuple[str, str] = (VOCAB, EMBED)
   embedding_init: nn.initializers.Initializer = nn.initializers.normal(0.02)
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32

@@ -7,6 +7,9 @@ from typing import Callable
 import flax.linen as nn
 import jax.numpy as jnp
 
+from tx_jax.layers import axes
+from tx_jax.layers.linear import Linear
+
 Array = jnp.ndarray
 
 ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
@@ -24,20 +27,6 @@ def get_activation(name: str) -> Callable[[Array], Array]:
   return ACTIVATIONS[name]
 
 
-def _dense(
-    features: int, axes: tuple[str, str], use_bias: bool, init, dtype, param_dtype, name: str
-) -> nn.Dense:
-  return nn.Dense(
-      features,
-      use_bias=use_bias,
-      kernel_init=nn.with_logical_partitioning(init, axes),
-      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[1:]),
-      dtype=dtype,
-      param_dtype=param_dtype,
-      name=name,
-  )
-
-
 class _FeedForward(nn.Module):
   """Fields and projections shared by Mlp and GatedMlp; subclasses define the hidden layer."""
 
@@ -52,31 +41,25 @@ class _FeedForward(nn.Module):
 
   def _up(self, x_BTD: Array, name: str) -> Array:
     """[B,T,D] -> [B,T,F] through the kernel `name` (logical axes embed x mlp)."""
-    dense = _dense(
-        self.hidden,
-        ("embed", "mlp"),
-        self.use_bias,
-        self.kernel_init,
-        self.dtype,
-        self.param_dtype,
-        name,
-    )
-    return dense(x_BTD)
+    return self._linear(self.hidden, (axes.EMBED, axes.MLP), self.kernel_init, name)(x_BTD)
 
   def _down(self, h_BTF: Array, dim: int, train: bool) -> Array:
     """Constrain, drop out, then project the hidden layer back to width `dim` ("wo")."""
-    h_BTF = nn.with_logical_constraint(h_BTF, ("act_batch", "act_len", "act_mlp"))
+    h_BTF = axes.constrain(h_BTF, "BTF")
     h_BTF = nn.Dropout(self.inner_dropout_rate)(h_BTF, deterministic=not train)
-    dense = _dense(
-        dim,
-        ("mlp", "embed"),
-        self.use_bias,
-        self.output_init or self.kernel_init,
-        self.dtype,
-        self.param_dtype,
-        "wo",
+    init = self.output_init or self.kernel_init
+    return self._linear(dim, (axes.MLP, axes.EMBED), init, "wo")(h_BTF)
+
+  def _linear(self, features: int, kernel_axes: tuple[str, str], init, name: str) -> Linear:
+    return Linear(
+        features,
+        kernel_axes,
+        use_bias=self.use_bias,
+        kernel_init=init,
+        dtype=self.dtype,
+        param_dtype=self.param_dtype,
+        name=name,
     )
-    return dense(h_BTF)
 
 
 class Mlp(_FeedForward):

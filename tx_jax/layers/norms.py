@@ -2,42 +2,52 @@
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax.numpy as jnp
+
+from tx_jax.layers import axes
 
 Array = jnp.ndarray
 
 NORMS = ("layernorm", "rmsnorm")
 
 
-def make_norm(
-    kind: str,
-    *,
-    eps: float,
-    use_bias: bool = True,
-    dtype=jnp.float32,
-    param_dtype=jnp.float32,
-    name: str | None = None,
-) -> nn.Module:
+@dataclasses.dataclass(frozen=True)
+class NormSpec:
+  """Which norm a model uses and how; `make_norm(spec, name)` builds one."""
+
+  kind: str = "layernorm"  # one of NORMS
+  eps: float = 1e-6
+  use_bias: bool = True  # LayerNorm only; RMSNorm has no bias
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+
+
+def make_norm(spec: NormSpec, name: str | None = None) -> nn.Module:
   """A LayerNorm or RMSNorm whose scale (and bias) carry the logical axis "embed"."""
-  scale_init = nn.with_logical_partitioning(nn.initializers.ones, ("embed",))
-  if kind == "layernorm":
+  scale_init = nn.with_logical_partitioning(nn.initializers.ones, (axes.EMBED,))
+  if spec.kind == "layernorm":
     return nn.LayerNorm(
-        epsilon=eps,
-        use_bias=use_bias,
+        epsilon=spec.eps,
+        use_bias=spec.use_bias,
         scale_init=scale_init,
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
-        dtype=dtype,
-        param_dtype=param_dtype,
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (axes.EMBED,)),
+        dtype=spec.dtype,
+        param_dtype=spec.param_dtype,
         name=name,
     )
-  if kind == "rmsnorm":
+  if spec.kind == "rmsnorm":
     return nn.RMSNorm(
-        epsilon=eps, scale_init=scale_init, dtype=dtype, param_dtype=param_dtype, name=name
+        epsilon=spec.eps,
+        scale_init=scale_init,
+        dtype=spec.dtype,
+        param_dtype=spec.param_dtype,
+        name=name,
     )
-  raise ValueError(f"model.norm={kind!r} is not one of {list(NORMS)}")
+  raise ValueError(f"model.norm={spec.kind!r} is not one of {list(NORMS)}")
 
 
 def residual(

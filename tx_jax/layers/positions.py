@@ -14,18 +14,9 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
+from tx_jax.layers import axes
+
 Array = jnp.ndarray
-
-
-def sinusoidal_table(max_len: int, dim: int, max_timescale: float = 10000.0) -> np.ndarray:
-  """The paper's table: PE[pos, 2i] = sin(pos / 10000^(2i/d)), PE[pos, 2i+1] = cos(same)."""
-  positions = np.arange(max_len, dtype=np.float64)[:, None]
-  two_i = np.arange(0, dim, 2, dtype=np.float64)[None, :]
-  angles = positions / np.power(max_timescale, two_i / dim)
-  table = np.zeros((max_len, dim), dtype=np.float64)
-  table[:, 0::2] = np.sin(angles)
-  table[:, 1::2] = np.cos(angles)[:, : dim // 2]
-  return table.astype(np.float32)
 
 
 def sinusoidal_embedding(positions_BT: Array, dim: int, max_timescale: float = 10000.0) -> Array:
@@ -50,7 +41,7 @@ class LearnedPositions(nn.Module):
   def __call__(self, positions_BT: Array) -> Array:
     table = self.param(
         "embedding",
-        nn.with_logical_partitioning(self.embedding_init, ("position", "embed")),
+        nn.with_logical_partitioning(self.embedding_init, (axes.POSITION, axes.EMBED)),
         (self.max_len, self.dim),
         self.param_dtype,
     )
@@ -113,7 +104,7 @@ class RelativePositionBias(nn.Module):
     """Returns the additive bias [B, N, T, S]."""
     table = self.param(
         "rel_embedding",
-        nn.with_logical_partitioning(self.embedding_init, ("relpos_buckets", "heads")),
+        nn.with_logical_partitioning(self.embedding_init, (axes.RELPOS_BUCKETS, axes.HEADS)),
         (self.num_buckets, self.num_heads),
         self.param_dtype,
     )

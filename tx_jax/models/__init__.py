@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import flax.linen as nn
+import jax
+import jax.numpy as jnp
 
 from tx_jax.models.config import ModelConfig
 from tx_jax.models.decoder import Decoder
@@ -50,11 +52,43 @@ def model_inputs(model_cfg: Any, batch: Mapping[str, Any]) -> tuple[tuple, dict]
   return args, kwargs
 
 
+def abstract_params(model_cfg: Any, *, boxed: bool = False) -> Any:
+  """The parameter tree of `config.model` as ShapeDtypeStructs; nothing is allocated.
+
+  With boxed=True the leaves keep their logical-axis boxes (what `tx_jax.sharding` reads).
+  """
+  ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)  # parameter shapes do not depend on length
+  family = model_cfg.family
+  batch = {"encoder_inputs": ids, "decoder_inputs": ids} if family == "encdec" else {"inputs": ids}
+  args, kwargs = model_inputs(model_cfg, batch)
+  module = build(model_cfg)
+  init = lambda *a: module.init(jax.random.key(0), *a, **kwargs, train=False)  # noqa: E731
+  params = jax.eval_shape(init, *args)["params"]
+  return params if boxed else nn.meta.unbox(params)
+
+
+def unstack_layers(params: Any) -> Any:
+  """Params of scanned stacks (`layers/layer`, leading L axis) as unrolled `layer_{i}` subtrees."""
+  if not isinstance(params, Mapping):
+    return params
+  out = {}
+  for key, value in params.items():
+    if key == "layers" and isinstance(value, Mapping) and set(value) == {"layer"}:
+      stacked = value["layer"]
+      for i in range(jax.tree.leaves(stacked)[0].shape[0]):
+        out[f"layer_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
+    else:
+      out[key] = unstack_layers(value)
+  return out
+
+
 __all__ = [
     "ModelConfig",
     "REGISTRY",
+    "abstract_params",
     "build",
     "model_inputs",
+    "unstack_layers",
     "Decoder",
     "Encoder",
     "EncoderDecoder",

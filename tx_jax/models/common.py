@@ -11,8 +11,10 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax import lax
 
-from tx_jax.layers import masks
+from tx_jax.layers import axes, masks
+from tx_jax.layers.block import TransformerStack
 from tx_jax.layers.embed import Embed
+from tx_jax.layers.linear import Linear
 from tx_jax.layers.positions import (
     LearnedPositions,
     RelativePositionBias,
@@ -156,22 +158,34 @@ def relative_bias_module(
   )
 
 
-def lm_head(config: ModelConfig, name: str = "lm_head") -> nn.Dense | None:
+def transformer_stack(
+    config: ModelConfig, name: str, *, decoder: bool = False
+) -> TransformerStack:
+  """A family's layer stack; `decoder` is the cross-attending stack of an encoder-decoder."""
+  return TransformerStack(
+      config.layer_spec(cross_attention=decoder),
+      config.num_decoder_layers if decoder else config.num_layers,
+      scan_layers=config.scan_layers,
+      remat_policy=config.remat_policy,
+      name=name,
+  )
+
+
+def lm_head(config: ModelConfig, name: str = "lm_head") -> Linear | None:
   """The untied output projection [embed, vocab], or None when the embedding is tied."""
   if config.tie_embeddings:
     return None
-  kernel = nn.with_logical_partitioning(config.kernel_init(), ("embed", "vocab"))
-  return nn.Dense(
+  return Linear(
       config.vocab_size,
-      use_bias=False,
-      kernel_init=kernel,
+      (axes.EMBED, axes.VOCAB),
+      kernel_init=config.kernel_init(),
       dtype=config.compute_dtype,
       param_dtype=config.storage_dtype,
       name=name,
   )
 
 
-def output_logits(config: ModelConfig, embed: Embed, head: nn.Dense | None, x_BTD: Array) -> Array:
+def output_logits(config: ModelConfig, embed: Embed, head: Linear | None, x_BTD: Array) -> Array:
   """Vocabulary logits in float32: tied (embed.attend, with T5's optional rescale) or a head."""
   if head is None:
     if config.tied_output_rescale:

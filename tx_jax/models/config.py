@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from tx_jax.layers.attention_backends import BACKENDS
 from tx_jax.layers.block import REMAT_POLICIES, LayerSpec
 from tx_jax.layers.mlp import ACTIVATIONS
-from tx_jax.layers.norms import NORMS
+from tx_jax.layers.norms import NORMS, NormSpec
 
 FAMILIES = ("decoder", "encoder", "encdec")
 POSITIONS = ("learned", "sinusoidal", "rope", "relative", "alibi", "none")
@@ -151,6 +151,16 @@ class ModelConfig:
       return nn.initializers.xavier_uniform()
     return nn.initializers.normal(self.init_std)
 
+  def norm_spec(self) -> NormSpec:
+    """The norm of every layer and of the final / embedding / head norms."""
+    return NormSpec(
+        kind=self.norm,
+        eps=self.norm_eps,
+        use_bias=self.norm_bias,
+        dtype=self.compute_dtype,
+        param_dtype=self.storage_dtype,
+    )
+
   def layer_spec(self, *, cross_attention: bool = False) -> LayerSpec:
     """The per-layer hyperparameters of this model's stacks."""
     return LayerSpec(
@@ -160,9 +170,7 @@ class ModelConfig:
         mlp_dim=self.mlp_dim,
         mlp_activation=self.mlp_activation,
         gated_mlp=self.gated_mlp,
-        norm=self.norm,
-        norm_eps=self.norm_eps,
-        norm_bias=self.norm_bias,
+        norm=self.norm_spec(),
         pre_norm=self.pre_norm,
         attention_bias=self.attention_bias,
         mlp_bias=self.mlp_bias,

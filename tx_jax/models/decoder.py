@@ -5,7 +5,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
-from tx_jax.layers.block import TransformerStack
+from tx_jax.layers import axes
 from tx_jax.layers.norms import make_norm
 from tx_jax.models import common
 from tx_jax.models.config import ModelConfig
@@ -36,7 +36,7 @@ class Decoder(nn.Module):
         c, embed, common.position_embed(c, "position_embed"), inputs_BT, positions
     )
     x_BTD = nn.Dropout(c.dropout_rate)(x_BTD, deterministic=not train)
-    x_BTD = nn.with_logical_constraint(x_BTD, ("act_batch", "act_len", "act_embed"))
+    x_BTD = axes.constrain(x_BTD, "BTD")
     mask, bias = common.self_attention_inputs(
         c,
         segment_ids,
@@ -45,21 +45,11 @@ class Decoder(nn.Module):
         decode_slots=common.DecodeSlots(name="decode_slots") if decode else None,
         relative_bias=common.relative_bias_module(c, bidirectional=False, name="relative_bias"),
     )
-    x_BTD = TransformerStack(
-        c.layer_spec(),
-        c.num_layers,
-        scan_layers=c.scan_layers,
-        remat_policy=c.remat_policy,
-        name="stack",
-    )(x_BTD, self_mask=mask, self_bias=bias, positions_BT=positions, train=train, decode=decode)
+    stack = common.transformer_stack(c, "stack")
+    x_BTD = stack(
+        x_BTD, self_mask=mask, self_bias=bias, positions_BT=positions, train=train, decode=decode
+    )
     if c.pre_norm:
-      x_BTD = make_norm(
-          c.norm,
-          eps=c.norm_eps,
-          use_bias=c.norm_bias,
-          dtype=c.compute_dtype,
-          param_dtype=c.storage_dtype,
-          name="final_norm",
-      )(x_BTD)
+      x_BTD = make_norm(c.norm_spec(), "final_norm")(x_BTD)
     logits_BTV = common.output_logits(c, embed, common.lm_head(c), x_BTD)
-    return nn.with_logical_constraint(logits_BTV, ("act_batch", "act_len", "act_vocab"))
+    return axes.constrain(logits_BTV, "BTV")

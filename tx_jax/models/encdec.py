@@ -6,8 +6,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
-from tx_jax.layers import masks
-from tx_jax.layers.block import TransformerStack
+from tx_jax.layers import axes, masks
 from tx_jax.layers.norms import make_norm
 from tx_jax.models import common
 from tx_jax.models.config import ModelConfig
@@ -29,39 +28,16 @@ class EncoderDecoder(nn.Module):
     self.decoder_relative_bias = common.relative_bias_module(
         c, bidirectional=False, name="decoder_relative_bias"
     )
-    self.encoder = TransformerStack(
-        c.layer_spec(),
-        c.num_layers,
-        scan_layers=c.scan_layers,
-        remat_policy=c.remat_policy,
-        name="encoder",
-    )
-    self.decoder = TransformerStack(
-        c.layer_spec(cross_attention=True),
-        c.num_decoder_layers,
-        scan_layers=c.scan_layers,
-        remat_policy=c.remat_policy,
-        name="decoder",
-    )
+    self.encoder = common.transformer_stack(c, "encoder")
+    self.decoder = common.transformer_stack(c, "decoder", decoder=True)
     if c.pre_norm:
-      self.encoder_final_norm = self._norm("encoder_final_norm")
-      self.decoder_final_norm = self._norm("decoder_final_norm")
+      self.encoder_final_norm = make_norm(c.norm_spec(), "encoder_final_norm")
+      self.decoder_final_norm = make_norm(c.norm_spec(), "decoder_final_norm")
     self.encoder_position_embed = common.position_embed(c, "encoder_position_embed")
     self.decoder_position_embed = common.position_embed(c, "decoder_position_embed")
     self.decode_slots = common.DecodeSlots()
     self.lm_head = common.lm_head(c)
     self.dropout = nn.Dropout(c.dropout_rate)
-
-  def _norm(self, name: str) -> nn.Module:
-    c = self.config
-    return make_norm(
-        c.norm,
-        eps=c.norm_eps,
-        use_bias=c.norm_bias,
-        dtype=c.compute_dtype,
-        param_dtype=c.storage_dtype,
-        name=name,
-    )
 
   def encode(
       self,
@@ -154,7 +130,7 @@ class EncoderDecoder(nn.Module):
       x_BTD = self.decoder_final_norm(x_BTD)
     x_BTD = self.dropout(x_BTD, deterministic=not train)
     logits_BTV = common.output_logits(c, self.shared_embed, self.lm_head, x_BTD)
-    return nn.with_logical_constraint(logits_BTV, ("act_batch", "act_len", "act_vocab"))
+    return axes.constrain(logits_BTV, "BTV")
 
   def _encoder_segments(
       self, encoded: Array | None, encoder_segment_ids: Array | None, decode: bool

@@ -5,8 +5,9 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
-from tx_jax.layers.block import TransformerStack
+from tx_jax.layers import axes
 from tx_jax.layers.embed import Embed
+from tx_jax.layers.linear import Linear
 from tx_jax.layers.mlp import get_activation
 from tx_jax.layers.norms import make_norm
 from tx_jax.models import common
@@ -46,16 +47,16 @@ class Encoder(nn.Module):
       x_BTD = x_BTD + Embed(
           c.type_vocab_size,
           c.d_model,
-          axes=("type_vocab", "embed"),
+          axes=(axes.TYPE_VOCAB, axes.EMBED),
           embedding_init=c.kernel_init(),
           dtype=c.compute_dtype,
           param_dtype=c.storage_dtype,
           name="type_embed",
       )(token_type_ids)
     if c.embed_norm:
-      x_BTD = self._norm("embed_norm")(x_BTD)
+      x_BTD = make_norm(c.norm_spec(), "embed_norm")(x_BTD)
     x_BTD = nn.Dropout(c.dropout_rate)(x_BTD, deterministic=not train)
-    x_BTD = nn.with_logical_constraint(x_BTD, ("act_batch", "act_len", "act_embed"))
+    x_BTD = axes.constrain(x_BTD, "BTD")
     mask, bias = common.self_attention_inputs(
         c,
         segment_ids,
@@ -64,29 +65,24 @@ class Encoder(nn.Module):
         decode_slots=None,
         relative_bias=common.relative_bias_module(c, bidirectional=True, name="relative_bias"),
     )
-    x_BTD = TransformerStack(
-        c.layer_spec(),
-        c.num_layers,
-        scan_layers=c.scan_layers,
-        remat_policy=c.remat_policy,
-        name="stack",
-    )(x_BTD, self_mask=mask, self_bias=bias, positions_BT=positions, train=train)
+    stack = common.transformer_stack(c, "stack")
+    x_BTD = stack(x_BTD, self_mask=mask, self_bias=bias, positions_BT=positions, train=train)
     if c.pre_norm:
-      x_BTD = self._norm("final_norm")(x_BTD)
+      x_BTD = make_norm(c.norm_spec(), "final_norm")(x_BTD)
     pooled_BD = None
     if c.pooler:
-      pooled_BD = jnp.tanh(self._dense(c.d_model, ("embed", "mlp"), "pooler")(x_BTD[:, 0]))
+      pooled_BD = jnp.tanh(self._dense(c.d_model, (axes.EMBED, axes.MLP), "pooler")(x_BTD[:, 0]))
     if c.head == "mlm":
       h_BTD = get_activation(c.mlp_activation)(
-          self._dense(c.d_model, ("embed", "mlp"), "mlm_transform")(x_BTD)
+          self._dense(c.d_model, (axes.EMBED, axes.MLP), "mlm_transform")(x_BTD)
       )
-      h_BTD = self._norm("mlm_norm")(h_BTD)
+      h_BTD = make_norm(c.norm_spec(), "mlm_norm")(h_BTD)
       # Pin the layout before the tied projection: left to itself, XLA's SPMD
       # partitioner produced wrong gradients here on a (2,2,2) data/fsdp/tensor mesh.
-      h_BTD = nn.with_logical_constraint(h_BTD, ("act_batch", "act_len", "act_embed"))
+      h_BTD = axes.constrain(h_BTD, "BTD")
       output_bias = self.param(
           "mlm_bias",
-          nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)),
+          nn.with_logical_partitioning(nn.initializers.zeros, (axes.VOCAB,)),
           (c.vocab_size,),
           c.storage_dtype,
       )
@@ -95,27 +91,17 @@ class Encoder(nn.Module):
       if pooled_BD is None:
         raise ValueError("config.model.head='classification' needs " "config.model.pooler=True")
       pooled_BD = nn.Dropout(c.dropout_rate)(pooled_BD, deterministic=not train)
-      logits = self._dense(c.num_classes, ("embed", None), "classifier")(pooled_BD)
+      logits = self._dense(c.num_classes, (axes.EMBED, None), "classifier")(pooled_BD)
       return logits.astype(jnp.float32)
     return x_BTD, pooled_BD
 
-  def _norm(self, name: str) -> nn.Module:
+  def _dense(self, features: int, kernel_axes: tuple[str | None, str | None], name: str) -> Linear:
     c = self.config
-    return make_norm(
-        c.norm,
-        eps=c.norm_eps,
-        use_bias=c.norm_bias,
-        dtype=c.compute_dtype,
-        param_dtype=c.storage_dtype,
-        name=name,
-    )
-
-  def _dense(self, features: int, axes: tuple[str, str], name: str) -> nn.Dense:
-    c = self.config
-    return nn.Dense(
+    return Linear(
         features,
-        kernel_init=nn.with_logical_partitioning(c.kernel_init(), axes),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[1:]),
+        kernel_axes,
+        use_bias=True,
+        kernel_init=c.kernel_init(),
         dtype=c.compute_dtype,
         param_dtype=c.storage_dtype,
         name=name,

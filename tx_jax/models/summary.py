@@ -9,39 +9,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tx_jax.models import build, model_inputs
+from tx_jax.models import abstract_params
 from tx_jax.models.config import ModelConfig
+from tx_jax.pytree import path_str
 
 # Encoder heads are not part of the backbone count (HF's BertModel has none).
 _HEAD_MODULES = ("mlm_transform", "mlm_norm", "mlm_bias", "classifier")
-
-
-def _dummy_batch(config: ModelConfig, seq_len: int, target_len: int) -> dict[str, Any]:
-  ids = lambda n: jax.ShapeDtypeStruct((1, n), jnp.int32)  # noqa: E731
-  if config.family == "encdec":
-    return {"encoder_inputs": ids(seq_len), "decoder_inputs": ids(target_len)}
-  return {"inputs": ids(seq_len)}
-
-
-def abstract_params(config: ModelConfig, seq_len: int = 8, target_len: int = 8) -> Any:
-  """The parameter pytree as ShapeDtypeStructs, logical-axis boxes removed."""
-  module = build(config)
-  batch = _dummy_batch(config, seq_len, target_len)
-  args, kwargs = model_inputs(config, batch)
-
-  def init(*a):
-    return module.init(jax.random.PRNGKey(0), *a, **kwargs)
-
-  return nn.unbox(jax.eval_shape(init, *args)["params"])
-
-
-def _path_name(path) -> str:
-  return "/".join(str(getattr(k, "key", k)) for k in path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +37,7 @@ def count_params(config: ModelConfig, params: Any | None = None) -> ParamCounts:
   per_module: dict[str, int] = {}
   total = backbone = matmul = nbytes = 0
   for path, leaf in leaves:
-    name = _path_name(path)
+    name = path_str(path)
     size = int(np.prod(leaf.shape))
     total += size
     nbytes += size * jnp.dtype(leaf.dtype).itemsize
@@ -98,7 +75,7 @@ def flops_per_token(
   encoder_matmul = sum(
       int(np.prod(l.shape))
       for p, l in jax.tree_util.tree_flatten_with_path(params["encoder"])[0]
-      if _path_name(p).endswith("kernel")
+      if path_str(p).endswith("kernel")
   )
   decoder_matmul = counts.matmul - encoder_matmul
   total = 6.0 * (encoder_matmul * source + decoder_matmul * target) + attention

@@ -13,7 +13,6 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 from jax.experimental import multihost_utils
 import ml_collections
 import numpy as np
@@ -98,19 +97,9 @@ def dry_run_report(config: ml_collections.ConfigDict) -> str:
 
   Everything is abstract (jax.eval_shape): no data is read and no weights are allocated.
   """
-  module = models.build(config.model)
-  seq_len, target_len = model_summary.sequence_lengths(config)
-  ids = lambda n: jnp.zeros((1, n), jnp.int32)  # noqa: E731
-  example = (
-      {"encoder_inputs": ids(seq_len), "decoder_inputs": ids(target_len)}
-      if config.model.family == "encdec"
-      else {"inputs": ids(seq_len)}
-  )
-  args, kwargs = models.model_inputs(config.model, example)
   mesh = sharding.make_mesh(config.mesh)
   rules = sharding.logical_rules(config)
-  init = lambda rng: module.init({"params": rng}, *args, **kwargs, train=False)["params"]  # noqa: E731
-  boxed = jax.eval_shape(init, jax.random.PRNGKey(0))
+  boxed = models.abstract_params(config.model, boxed=True)
   tx, _ = optimizers.build_optimizer(config)
   opt_state = jax.eval_shape(tx.init, nn.unbox(boxed))
   return "\n".join(

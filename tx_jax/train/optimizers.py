@@ -7,22 +7,10 @@ import jax
 import ml_collections
 import optax
 
+from tx_jax.pytree import path_str
 from tx_jax.train import schedules
 
 OPTIMIZERS = ("adamw", "adafactor")
-
-
-def path_str(path: tuple) -> str:
-  """A parameter's tree path as "a/b/c" (dict keys, attribute names, indices)."""
-  parts = []
-  for key in path:
-    for attr in ("key", "name", "idx"):
-      if hasattr(key, attr):
-        parts.append(str(getattr(key, attr)))
-        break
-    else:
-      parts.append(str(key))
-  return "/".join(parts)
 
 
 def decay_mask(params: Any, no_decay: tuple[str, ...]) -> Any:

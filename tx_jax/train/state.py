@@ -37,7 +37,3 @@ def make_init_fn(
 
   return init
 
-
-def count_params(params: Any) -> int:
-  """Number of scalars in a parameter tree (abstract or concrete)."""
-  return int(sum(x.size for x in jax.tree_util.tree_leaves(params)))

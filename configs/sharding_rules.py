@@ -1,4 +1,4 @@
-"""Default `mesh` and `sharding` config sections.
+"""Default `mesh` and `sharding` config sections: mesh axis sizes and the logical-axis rules.
 
 configs/common.py assembles these into every family config. Every field has a value and a
 one-line comment: library code (tx_jax/sharding.py) reads `config.x` and never falls back to a
@@ -7,6 +7,10 @@ default of its own. Override from the command line, e.g.
 """
 
 import ml_collections
+
+from tx_jax.layers import axes
+
+ACT = axes.ACTIVATION_AXES  # activation axis name by shape letter
 
 
 def mesh_config() -> ml_collections.ConfigDict:
@@ -24,31 +28,31 @@ def sharding_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   # (logical axis, mesh axis | tuple of mesh axes | None) in priority order: within one array
   # a mesh axis is used at most once, by the first rule that claims it. Logical names are
-  # defined in tx_jax/layers/__init__.py. None = replicated along that axis.
+  # defined in tx_jax/layers/axes.py. None = replicated along that axis.
   c.rules = [
       # Activations: batch over data and fsdp, Megatron-split inner dims over tensor.
-      ("act_batch", ("data", "fsdp")),
-      ("act_len", "sequence"),
-      ("act_kv_len", None),
-      ("act_embed", None),
-      ("act_heads", "tensor"),
-      ("act_kv_heads", "tensor"),
-      ("act_head_dim", None),
-      ("act_mlp", "tensor"),
-      ("act_vocab", "tensor"),
+      (ACT["B"], ("data", "fsdp")),
+      (ACT["T"], "sequence"),
+      (ACT["S"], None),
+      (ACT["D"], None),
+      (ACT["N"], "tensor"),
+      (ACT["K"], "tensor"),
+      (ACT["H"], None),
+      (ACT["F"], "tensor"),
+      (ACT["V"], "tensor"),
       # Parameters. Column-parallel QKV [embed, heads, head_dim] and up/gate [embed, mlp]
       # split their output dim over tensor; row-parallel out [heads, head_dim, embed] and
       # down [mlp, embed] split their input dim; the embedding [vocab, embed] and the lm head
       # [embed, vocab] split the vocabulary. Every `embed` dim is split over fsdp (ZeRO-3).
-      ("vocab", "tensor"),
-      ("heads", "tensor"),
-      ("kv_heads", "tensor"),
-      ("mlp", "tensor"),
-      ("embed", "fsdp"),
-      ("head_dim", None),
-      ("layers", None),
-      ("relpos_buckets", None),
-      ("type_vocab", None),
-      ("position", None),
+      (axes.VOCAB, "tensor"),
+      (axes.HEADS, "tensor"),
+      (axes.KV_HEADS, "tensor"),
+      (axes.MLP, "tensor"),
+      (axes.EMBED, "fsdp"),
+      (axes.HEAD_DIM, None),
+      (axes.LAYERS, None),
+      (axes.RELPOS_BUCKETS, None),
+      (axes.TYPE_VOCAB, None),
+      (axes.POSITION, None),
   ]
   return c
