@@ -1,7 +1,10 @@
 """BERT presets (Devlin et al. 2019): post-LN encoder, learned positions, token types.
 
-Usage: --config=configs/bert.py:base (large, tiny). Presets carry the MLM head; the
-`params:` figure of the dry run counts the encoder + pooler, as HF's BertModel does.
+Usage: --config=configs/bert.py:base (large, tiny). Presets carry the MLM head and train
+with MLM (data.task="mlm") on the offline synthetic strings as shipped; tiny-mlm reads Tiny
+Shakespeare from $TX_JAX_DATA_DIR; tiny-sst2 classifies TFDS glue/sst2, which must be
+downloaded and prepared once, online (TFDS does it on first use). The `params:` figure of
+the dry run counts the encoder + pooler, as HF's BertModel does.
 """
 
 import ml_collections
@@ -27,6 +30,7 @@ def _bert(d_model: int, num_layers: int, num_heads: int) -> ml_collections.Confi
   m.dropout_rate = m.attention_dropout_rate = 0.1
   m.init_std = 0.02
   _bert_training(config)
+  config.data.task = "mlm"  # pre-training; tiny-sst2 switches to classification
   config.data.seq_len = 512  # the published maximum length
   return config
 
@@ -62,7 +66,8 @@ def tiny_mlm() -> ml_collections.ConfigDict:
 
 def tiny_sst2() -> ml_collections.ConfigDict:
   """tiny fine-tuned for sentence classification on TFDS glue/sst2 (Devlin et al. 4.1:
-  lr 2e-5..5e-5, batch 32, 3 epochs; here a CPU-sized lr and step count)."""
+  lr 2e-5..5e-5, batch 32, 3 epochs; here a CPU-sized lr and step count). Data: TFDS
+  downloads and prepares glue/sst2 on first use (online once; then --config.data.tfds_data_dir)."""
   config = tiny()
   m, d, o, s, t = config.model, config.data, config.optimizer, config.schedule, config.train
   m.head, m.num_classes = "classification", 2

@@ -3,6 +3,11 @@
 Usage: --config=configs/gpt.py:gpt2-small (gpt2-medium, gpt2-large, gpt2-xl, llama-1b,
 llama-tiny, tiny). GPT-2 shapes follow Radford et al. 2019 / HF `gpt2*`; llama-1b is the
 TinyLlama-1.1B shape (LLaMA-2 architecture, GQA with 4 KV heads).
+
+Every preset is a causal LM (data.task="lm"). As shipped they read the synthetic strings
+(offline, byte-level), so each trains out of the box; tiny-shakespeare reads Tiny
+Shakespeare from $TX_JAX_DATA_DIR/tinyshakespeare/input.txt. For real pre-training point
+config.data at a corpus (data.source="tfds" / "text_files") and a matching tokenizer.
 """
 
 import ml_collections
@@ -25,8 +30,14 @@ def _gpt2(d_model: int, num_layers: int, num_heads: int) -> ml_collections.Confi
   m.dropout_rate = m.attention_dropout_rate = 0.1
   m.init_std = 0.02
   _decoder_training(config)
-  config.data.seq_len = m.max_len  # the published context length
+  _lm_data(config)
   return config
+
+
+def _lm_data(config: ml_collections.ConfigDict) -> None:
+  """A decoder learns next-token prediction: the LM task, at the published context length."""
+  config.data.task = "lm"
+  config.data.seq_len = config.model.max_len
 
 
 def _llama(
@@ -51,7 +62,7 @@ def _llama(
   m.attention_bias = m.mlp_bias = False
   m.dropout_rate = m.attention_dropout_rate = 0.0
   _decoder_training(config)
-  config.data.seq_len = m.max_len  # the published context length
+  _lm_data(config)
   return config
 
 
@@ -97,8 +108,8 @@ def tiny() -> ml_collections.ConfigDict:
 
 
 def llama_tiny() -> ml_collections.ConfigDict:
-  """LLaMA-style (RoPE, RMSNorm, SwiGLU, GQA 4:2, untied) at test scale."""
-  return _llama(
+  """LLaMA-style (RoPE, RMSNorm, SwiGLU, GQA 4:2, untied) at test scale, CPU-sized training."""
+  config = _llama(
       vocab_size=360,
       d_model=128,
       num_layers=4,
@@ -108,6 +119,8 @@ def llama_tiny() -> ml_collections.ConfigDict:
       max_len=256,
       tie=False,
   )
+  _cpu_lm_training(config)
+  return config
 
 
 PRESETS = {

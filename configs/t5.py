@@ -1,6 +1,10 @@
 """T5 presets (Raffel et al. 2020): v1.0 (ReLU, tied, d_model^-0.5 rescale) and v1.1
 (gated GELU, untied). Pre-RMSNorm without bias, relative position bias, no absolute
 positions, unscaled attention logits. Usage: --config=configs/t5.py:t5-small.
+
+Every preset pre-trains with span corruption (data.task="span_corruption"); as shipped on
+the offline synthetic strings, tiny-span on Tiny Shakespeare from $TX_JAX_DATA_DIR. A
+fine-tune on pairs sets data.task="seq2seq" and a source with columns.
 """
 
 import ml_collections
@@ -32,6 +36,7 @@ def _t5(
     m.dropout_rate = m.mlp_inner_dropout_rate = m.attention_dropout_rate = 0.1
   m.init_std = 1.0 / d_model**0.5
   _t5_training(config)
+  config.data.task = "span_corruption"  # the paper's pre-training objective
   config.data.source_len, config.data.target_len = 512, 114  # the paper's pre-training lengths
   return config
 
@@ -70,6 +75,7 @@ def tiny() -> ml_collections.ConfigDict:
   config = _t5(d_model=128, num_layers=2, num_heads=4, mlp_dim=256, v1_1=True)
   config.model.vocab_size = 360  # byte tokenizer: 4 specials + 256 bytes + 100 sentinels
   config.model.head_dim = 32
+  config.data.source_len, config.data.target_len = 128, 32  # short texts: little padding
   _cpu_training(config)
   return config
 

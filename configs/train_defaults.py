@@ -16,9 +16,12 @@ def train_config() -> ml_collections.ConfigDict:
   c.eval_every = 500  # evaluate every this many steps (and at the end); 0 = only at the end
   c.eval_split = "validation"  # data split the eval_* metrics are computed on
   c.eval_batches = 0  # eval batches per evaluation; 0 = the whole split
-  c.decode_metrics = ()  # held-out metrics that need greedy decoding: "exact_match", "bleu"
+  c.decode_metrics = ()  # held-out metrics that need decoding: "exact_match", "bleu"
   c.decode_examples = 256  # held-out examples decoded for each decode metric
   c.decode_max_len = 64  # generated tokens per example at most (EOS stops earlier)
+  c.decode_strategy = "greedy"  # how decode metrics decode (tx_jax.decode): "greedy" or "beam"
+  c.beam_size = 4  # beam: hypotheses kept per example (the Transformer paper: 4)
+  c.alpha = 0.6  # beam: GNMT length penalty ((5 + |y|) / 6) ** alpha (the paper: 0.6)
   c.print_examples = 3  # source -> output pairs printed at the end (decode tasks only)
   c.grad_accum_steps = 1  # micro-batches per step; the global batch must divide by it
   c.nonfinite = "skip"  # on a NaN/Inf loss or gradient: "skip" the update or "abort" the run
@@ -86,6 +89,8 @@ def tiny_shakespeare(config: ml_collections.ConfigDict, task: str) -> None:
 
   The raw file comes from $TX_JAX_DATA_DIR/tinyshakespeare (default ../shared/data), the
   very file TFDS downloads; override --config.data.manual_dir on another machine.
+  Get it: curl -o $TX_JAX_DATA_DIR/tinyshakespeare/input.txt --create-dirs
+  https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt
   """
   import os  # pylint: disable=g-import-not-at-top
 

@@ -45,8 +45,10 @@ def _paper_training(config: ml_collections.ConfigDict) -> None:
   o.learning_rate = 1.0  # multiplier of the paper's formula
   s.name, s.warmup_steps = "paper", 4000
   config.loss.label_smoothing = 0.1
-  config.train.steps = 100_000
-  config.train.decode_metrics = ("bleu",)
+  t = config.train
+  t.steps = 100_000
+  # Section 6.1: BLEU by beam search, beam 4, length penalty alpha 0.6.
+  t.decode_metrics, t.decode_strategy, t.beam_size, t.alpha = ("bleu",), "beam", 4, 0.6
 
 
 def tiny() -> ml_collections.ConfigDict:
@@ -66,6 +68,7 @@ def _cpu_training(config: ml_collections.ConfigDict) -> None:
   s.name, s.warmup_steps, s.end_factor = "warmup_cosine", 50, 0.0
   t.steps, t.log_every, t.eval_every = 400, 50, 100
   t.decode_metrics, t.decode_examples, t.decode_max_len = ("exact_match",), 256, 16
+  t.decode_strategy = "greedy"  # exact match of a reversal; beam search only adds time
   config.checkpoint.every = 200
   config.checkpoint.best_metric, config.checkpoint.best_mode = "eval_exact_match", "max"
 
@@ -74,7 +77,8 @@ def multi30k() -> ml_collections.ConfigDict:
   """tiny on Multi30k de->en with a shared 8k SentencePiece vocabulary (README: BLEU).
 
   First: python -m experiments.train_tokenizer --config=configs/transformer.py:multi30k
-  (writes data.spm_model_path). Raw files from $TX_JAX_DATA_DIR/multi30k (manual_dir).
+  (writes data.spm_model_path). Raw files from $TX_JAX_DATA_DIR/multi30k (manual_dir): the
+  six .gz files of https://github.com/multi30k/dataset/tree/master/data/task1/raw.
   """
   config = tiny()
   d, m = config.data, config.model
@@ -89,8 +93,9 @@ def multi30k() -> ml_collections.ConfigDict:
   config.optimizer.learning_rate = 2e-3
   config.schedule.warmup_steps = 150
   t = config.train
-  t.steps, t.eval_every, t.log_every = 1500, 0, 100
-  t.decode_metrics, t.decode_examples, t.decode_max_len = (), 200, 40
+  t.steps, t.eval_every, t.log_every = 1500, 500, 100
+  t.decode_metrics, t.decode_examples, t.decode_max_len = ("bleu",), 200, 40
+  t.decode_strategy, t.beam_size, t.alpha = "beam", 4, 0.6  # as the paper reports BLEU
   config.checkpoint.every = 250
   config.checkpoint.best_metric = ""
   return config

@@ -43,5 +43,10 @@ def get_config(workdir: str | None = None) -> ml_collections.ConfigDict:
         "a directory written by experiments.train or experiments.convert"
     )
   config = common.base_config()
-  _fill(config, json.loads(path.read_text()), "config")
+  try:
+    values = json.loads(path.read_text())
+  except json.JSONDecodeError as e:  # its own constructor needs 3 arguments: config_flags'
+    # re-raise would fail with a TypeError, so report it as a ValueError naming the file
+    raise ValueError(f"{path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}")
+  _fill(config, values, "config")
   return config

@@ -8,9 +8,10 @@ section at toy sizes (a check of the code path, not a measurement).
 """
 
 import os
-import sys
 
 from absl import app, flags, logging
+
+from tx_jax import cli
 
 _OUT = flags.DEFINE_string("out", "bench_out", "Directory for benchmark.json and the PNGs.")
 _ONLY = flags.DEFINE_multi_string("only", [], "Section(s) to run (repeat or comma-separate).")
@@ -44,4 +45,4 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(app.run(main))
+  cli.run(main)

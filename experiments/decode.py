@@ -9,9 +9,10 @@ With --json every output is one JSON line: input, tokens (generated ids), text.
 """
 
 import json
-import sys
 
 from absl import app, flags, logging
+
+from tx_jax import cli
 
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Trainer workdir or HF model directory.", required=True
@@ -43,10 +44,23 @@ def main(argv) -> int:
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.ERROR)  # Orbax warns about read-only checkpoint dirs
   import jax  # pylint: disable=g-import-not-at-top
-  from tx_jax.decode import models as dm, workdir as wd  # pylint: disable=g-import-not-at-top
+  from tx_jax import decode, validation  # pylint: disable=g-import-not-at-top
+  from tx_jax.decode import workdir as wd  # pylint: disable=g-import-not-at-top
 
-  strategy = dm.Strategy(
-      _STRATEGY.value or ("beam" if _INPUT_FILE.value else "sample"),
+  strategy_name = _STRATEGY.value or ("beam" if _INPUT_FILE.value else "sample")
+  validation.decode_flags(
+      strategy=strategy_name,
+      max_new_tokens=_MAX_NEW_TOKENS.value,
+      temperature=_TEMPERATURE.value,
+      top_k=_TOP_K.value,
+      top_p=_TOP_P.value,
+      beam_size=_BEAM_SIZE.value,
+      alpha=_ALPHA.value,
+      batch_size=_BATCH_SIZE.value,
+      input_file=_INPUT_FILE.value,
+  )
+  strategy = decode.Strategy(
+      strategy_name,
       max_new_tokens=_MAX_NEW_TOKENS.value,
       temperature=_TEMPERATURE.value,
       top_k=_TOP_K.value,
@@ -58,39 +72,31 @@ def main(argv) -> int:
   tokenizer = wd.build_tokenizer(config, _WORKDIR.value)
   eos_id, start_id = wd.special_ids(config, _WORKDIR.value, tokenizer)
   if _PROMPT_IDS.value is not None:
-    try:
-      texts, inputs = None, [[int(t) for t in _PROMPT_IDS.value.split(",") if t.strip()]]
-    except ValueError:
-      raise app.UsageError(
-          f"--prompt_ids={_PROMPT_IDS.value!r}: expected comma-separated " "integers, e.g. 1,2,3"
-      ) from None
+    texts, inputs = None, [validation.prompt_ids(_PROMPT_IDS.value, module.config.vocab_size)]
   else:
     if tokenizer is None:
       raise app.UsageError(
-          f"{_WORKDIR.value} has no tokenizer tx_jax can load; pass " "--prompt_ids instead of text"
+          f"{_WORKDIR.value} has no tokenizer tx_jax can load; pass --prompt_ids instead of text"
       )
     if _PROMPT.value is not None:
-      texts = [_PROMPT.value]
+      texts = [validation.prompt_text(_PROMPT.value)]
     else:
       with open(_INPUT_FILE.value, encoding="utf-8") as f:
         texts = [line.rstrip("\n") for line in f]
-    # Sources end with EOS, as in training (tx_jax.data.tasks.truncate_eos).
-    suffix = [eos_id] if module.config.family == "encdec" else []
-    inputs = [tokenizer.encode(t) + suffix if t else [] for t in texts]
-  try:
-    outputs = wd.decode_inputs(
-        module,
-        params,
-        inputs,
-        strategy,
-        eos_id=eos_id,
-        decoder_start_id=start_id,
-        rng=jax.random.key(_SEED.value),
-        batch_size=min(_BATCH_SIZE.value, len(inputs)),
+      validation.texts_not_empty(texts, f"--input_file={_INPUT_FILE.value}")
+    inputs = decode.encode_sources(
+        tokenizer, texts, append_eos=module.config.family == "encdec"
     )
-  except ValueError as e:  # bad input (empty or too long): say which, without a traceback
-    print(f"error: {e}", file=sys.stderr)
-    return 1
+  outputs = decode.decode_batches(  # a ValueError (an input too long, ...) exits 2 via cli.run
+      module,
+      params,
+      inputs,
+      strategy,
+      eos_id=eos_id,
+      decoder_start_id=start_id,
+      rng=jax.random.key(_SEED.value),
+      batch_size=_BATCH_SIZE.value,
+  )
   lines = []
   for i, ids in enumerate(outputs):
     record = {"input": texts[i] if texts else inputs[i], "tokens": ids}
@@ -106,4 +112,4 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -3,14 +3,16 @@ r"""Train a tx_jax model: python -m experiments.train --config=configs/<family>.
 With no flags it runs the default experiment (a tiny Transformer learning to reverse
 strings). Outputs in --workdir: config.json, metrics.jsonl, tensorboard/, checkpoints/,
 curves.png. Rerunning the same command resumes from the newest checkpoint.
+Every config is checked before any work (tx_jax.validation); a bad flag or config prints
+one `error: ...` line and exits 2, a failure while training exits 1 (tx_jax.cli).
 """
-
-import sys
 
 from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
+
+from tx_jax import cli
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config",
@@ -34,17 +36,15 @@ def main(argv) -> int:
 
   sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   config = _CONFIG.value
-  from tx_jax import checkpoint  # pylint: disable=g-import-not-at-top
+  from tx_jax import validation  # pylint: disable=g-import-not-at-top
   from tx_jax.train import loop  # pylint: disable=g-import-not-at-top
 
+  loop.validate(config)
   if _DRY_RUN.value:
     print(loop.dry_run_report(config))
     return 0
-  try:
-    result = loop.train_and_evaluate(config, _WORKDIR.value)
-  except (checkpoint.CheckpointError, loop.NonFiniteLossError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 1
+  validation.workdir_matches(config, _WORKDIR.value)
+  result = loop.train_and_evaluate(config, _WORKDIR.value)
   shown = {k: v for k, v in result.items() if k.startswith("eval_") or k in ("step", "loss")}
   print(
       "done:",
@@ -54,4 +54,4 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -13,6 +13,8 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from tx_jax import cli
+
 _CONFIG = config_flags.DEFINE_config_file(
     "config",
     default="configs/transformer.py",
@@ -33,6 +35,13 @@ def main(argv) -> None:
   prefix = _PREFIX.value or data_cfg.spm_model_path.removesuffix(".model")
   if not prefix:
     raise app.UsageError("give --model_prefix or --config.data.spm_model_path")
+  if data_cfg.vocab_size <= 5:
+    raise app.UsageError(
+        f"--config.data.vocab_size={data_cfg.vocab_size}: must exceed the 5 special pieces"
+    )
+  from tx_jax import data  # pylint: disable=g-import-not-at-top
+
+  data.validate(data_cfg)
   path = tokenizers.train_sentencepiece(
       sources.texts(data_cfg, data_cfg.train_split),
       prefix,
@@ -43,4 +52,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

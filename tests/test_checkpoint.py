@@ -1,5 +1,6 @@
 """tx_jax.checkpoint: keep last K + best, damaged-checkpoint fallback / stop, finite-only saves."""
 
+import json
 import os
 import pathlib
 
@@ -131,3 +132,69 @@ def test_fingerprint_sees_moved_and_changed_values():
   assert int(base[0]) != int(swapped[0]) and int(base[0]) != int(changed[0])
   _, finite = checkpoint.fingerprint([x.at[0, 0].set(jnp.inf)])
   assert not bool(finite)
+
+
+def _files(root: pathlib.Path) -> dict[str, bytes]:
+  return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _params_state(width: int):
+  return {"params": {"embed": jnp.ones((10, width)), "out": jnp.zeros((width,))}, "step": 3}
+
+
+def test_shape_mismatch_is_a_named_error_not_damage(tmp_path):
+  from configs import common
+
+  model = common.model_config()
+  model.d_model = 128
+  ck = _manager(tmp_path)
+  ck.model = checkpoint.Checkpointer(tmp_path / "other", ck.cfg, model).model
+  ck.save(20, {**_params_state(128), "step": jnp.int32(20)}, _iterator())
+  ck.close()
+  before = _files(tmp_path / "checkpoints")
+  model.d_model = 64
+  reader = checkpoint.Checkpointer(tmp_path / "checkpoints", ck.cfg, model)
+  abstract = _abstract({**_params_state(64), "step": jnp.int32(0)})
+  with pytest.raises(
+      checkpoint.CheckpointMismatchError, match=r"step 20 .*model.d_model=128, the config says 64"
+  ):
+    reader.restore_latest(abstract, _iterator())
+  # Without the stored model config, the message names the parameter and both shapes.
+  reader.model = None
+  with pytest.raises(
+      checkpoint.CheckpointMismatchError, match=r"params/embed of shape \(10, 128\)"
+  ):
+    reader.restore_latest(abstract, _iterator())
+  reader.close()
+  assert not (tmp_path / "checkpoints_damaged").exists()
+  assert _files(tmp_path / "checkpoints") == before
+
+
+def test_edited_data_state_is_damage(tmp_path, caplog):
+  ck = _manager(tmp_path)
+  it = _save_steps(ck, [1, 2])
+  ck.close()
+  data_file = tmp_path / "checkpoints" / "2" / "data" / "process_0-of-1.json"
+  state = json.loads(data_file.read_text())
+  assert state["next_index"] == 2, state
+  state["next_index"] = 7  # a valid state, at another data position
+  data_file.write_text(json.dumps(state))
+  fresh = _iterator()
+  with caplog.at_level("WARNING"):
+    _, step = _manager(tmp_path).restore_latest(_abstract(_state(0.0)), fresh)
+  assert step == 1 and "data iterator state" in caplog.text
+  assert (tmp_path / "checkpoints_damaged" / "2").is_dir()
+  expected = _iterator()
+  next(expected)
+  np.testing.assert_array_equal(next(fresh), next(expected))  # resumed after step 1's batch
+  del it
+
+
+def test_missing_best_metric_still_saves_the_state(tmp_path):
+  ck = _manager(tmp_path, best_metric="eval_bleu")
+  with pytest.raises(checkpoint.CheckpointError, match="best_metric='eval_bleu'.*step 5 was saved"):
+    ck.save(5, _state(5.0), _iterator(), metrics={"eval_loss": 1.0})
+  ck.close()
+  state, step = _manager(tmp_path).restore_latest(_abstract(_state(0.0)), _iterator())
+  assert step == 5
+  _equal(state, _state(5.0))

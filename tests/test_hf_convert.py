@@ -75,4 +75,4 @@ def test_convert_round_trip_through_a_workdir(hf_dir, tmp_path):
   assert all(np.array_equal(original[k], back[k]) for k in original)
 
   again = _convert("--from_hf", str(hf_dir), "--workdir", str(workdir))
-  assert again.returncode == 1 and "already holds checkpoints" in again.stderr
+  assert again.returncode == 2 and "already holds checkpoints" in again.stderr  # usage error

@@ -1,15 +1,24 @@
 """One asynchronous Orbax CheckpointManager: keep the last K + the best, resume, damage checks.
 
 A checkpoint step holds three items: `state` (the TrainState pytree), `data` (the grain
-iterator's state, one JSON file per process) and `meta` (step + a fingerprint of every
-state leaf). Restoring recomputes the fingerprints, so a truncated or bit-flipped newest
+iterator's state, one JSON file per process) and `meta` (step, a fingerprint of every
+state leaf and of every process's iterator state, and the model config when known).
+Restoring recomputes the fingerprints, so a truncated, bit-flipped or edited newest
 checkpoint is detected instead of loaded; the manager then falls back to the previous good
 step or stops naming the damaged one (`config.checkpoint.on_corrupt`). Non-finite states are
 never written.
+
+Mismatch is not damage: a checkpoint whose parameter tree or shapes differ from the
+config's (another d_model, another preset) raises `CheckpointMismatchError`, naming the
+differing fields, and is left where it is. Only real corruption (a fingerprint mismatch or
+a failed read) is moved to `checkpoints_damaged/`.
 """
 
+import json
 import pathlib
+import re
 import shutil
+import zlib
 from typing import Any
 
 from absl import logging
@@ -20,11 +29,50 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
-ON_CORRUPT = ("fallback", "stop")
+from tx_jax import validation
+
+ON_CORRUPT = validation.ON_CORRUPT
 
 
 class CheckpointError(RuntimeError):
   """A checkpoint could not be written or restored; the message says which and why."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+  """A good checkpoint written for another model config: the config is wrong, not the file.
+
+  A ValueError too, so entry points report it as a config error (exit 2).
+  """
+
+
+# Orbax's words for an on-disk tree that differs from the requested one.
+_MISMATCH = re.compile(
+    r"tree structure|structures do not match|shape|Missing keys|not found in", re.I
+)
+
+
+def data_fingerprint(state: Any) -> int:
+  """crc32 of an iterator state in canonical JSON (grain's get_state() is JSON-able)."""
+  canonical = json.dumps(json.loads(json.dumps(state, default=str)), sort_keys=True)
+  return zlib.crc32(canonical.encode("utf-8"))
+
+
+def _path(keys: tuple) -> str:
+  parts = []
+  for k in keys:
+    for attr in ("key", "name", "idx"):
+      if hasattr(k, attr):
+        parts.append(str(getattr(k, attr)))
+        break
+    else:
+      parts.append(str(k))
+  return "/".join(parts)
+
+
+def _shapes(tree: Any) -> dict[str, tuple]:
+  """'a/b/c' -> shape of every array leaf of a pytree (or of Orbax tree metadata)."""
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {_path(keys): tuple(getattr(leaf, "shape", ())) for keys, leaf in flat}
 
 
 def _words(x: jax.Array) -> jax.Array:
@@ -61,19 +109,18 @@ def fingerprint(tree: Any) -> tuple[jax.Array, jax.Array]:
 class Checkpointer:
   """Saves and restores (TrainState, data iterator) under `directory` with one Orbax manager."""
 
-  def __init__(self, directory: str | pathlib.Path, ckpt_cfg: ml_collections.ConfigDict):
-    if ckpt_cfg.on_corrupt not in ON_CORRUPT:
-      raise ValueError(
-          f"config.checkpoint.on_corrupt={ckpt_cfg.on_corrupt!r}: expected one " f"of {ON_CORRUPT}"
-      )
-    if ckpt_cfg.keep < 1:
-      raise ValueError(f"config.checkpoint.keep={ckpt_cfg.keep}: must be >= 1")
-    if ckpt_cfg.best_mode not in ("min", "max"):
-      raise ValueError(
-          f"config.checkpoint.best_mode={ckpt_cfg.best_mode!r}: expected 'min' " "or 'max'"
-      )
+  def __init__(
+      self,
+      directory: str | pathlib.Path,
+      ckpt_cfg: ml_collections.ConfigDict,
+      model_cfg: ml_collections.ConfigDict | None = None,
+  ):
+    """`model_cfg` (config.model), when given, is stored with every step, so that a
+    mismatching config is reported field by field ("step 20 has model.d_model=128")."""
+    validation.checkpoint_section(ckpt_cfg)
     self.directory = pathlib.Path(directory).absolute()
     self.cfg = ckpt_cfg
+    self.model = None if model_cfg is None else json.loads(model_cfg.to_json_best_effort())
     policies = [ocp.checkpoint_managers.LatestN(n=ckpt_cfg.keep)]
     if ckpt_cfg.best_metric:
       name = ckpt_cfg.best_metric
@@ -111,18 +158,70 @@ class Checkpointer:
           f"refusing to save step {step}: the state holds a NaN or Inf; "
           f"the last good checkpoint is step {self.latest_step()}"
       )
-    items = {
-        "state": ocp.args.StandardSave(state),
-        "meta": ocp.args.JsonSave({"step": int(step), "fingerprints": [int(s) for s in sums]}),
-    }
+    meta = {"step": int(step), "fingerprints": [int(s) for s in sums]}
+    if self.model is not None:
+      meta["model"] = self.model
+    items = {"state": ocp.args.StandardSave(state)}
     if data_iter is not None:
+      meta["data_fingerprints"] = _all_processes(data_fingerprint(data_iter.get_state()))
       items["data"] = grain.checkpoint.CheckpointSave(data_iter)
-    if metrics is not None and self.cfg.best_metric and self.cfg.best_metric not in metrics:
+    items["meta"] = ocp.args.JsonSave(meta)
+    missing_metric = (
+        metrics is not None and self.cfg.best_metric and self.cfg.best_metric not in metrics
+    )
+    # The state is saved either way: a bookkeeping error must never lose a trained model.
+    kept = None if missing_metric else metrics
+    self.manager.save(step, args=ocp.args.Composite(**items), metrics=kept, force=True)
+    if missing_metric:
+      self.manager.wait_until_finished()
       raise CheckpointError(
-          f"config.checkpoint.best_metric={self.cfg.best_metric!r} is not "
-          f"among the eval metrics {sorted(metrics)}"
+          f"config.checkpoint.best_metric={self.cfg.best_metric!r} is not among the eval "
+          f"metrics {sorted(metrics)}; step {step} was saved without it"
       )
-    self.manager.save(step, args=ocp.args.Composite(**items), metrics=metrics, force=True)
+
+  def _check_match(self, step: int, abstract_state: Any) -> None:
+    """Raises CheckpointMismatchError when step's parameters are not the config's shapes."""
+    try:
+      meta = json.loads((self.directory / str(step) / "meta" / "metadata").read_text())
+      saved_tree = ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / "state")
+      saved = _shapes(saved_tree.tree)
+    except Exception:  # noqa: BLE001 -- unreadable metadata is damage; the restore says so
+      return
+    wanted = _shapes(abstract_state)
+    params = lambda d: {k: v for k, v in d.items() if k.startswith("params/")}  # noqa: E731
+    saved_params, wanted_params = params(saved), params(wanted)
+    if saved_params == wanted_params:
+      return
+    where = self.directory / str(step)
+    differing = []
+    if self.model is not None and isinstance(meta.get("model"), dict):
+      shape_fields = (*validation.SHAPE_FIELDS, "max_len")
+      differing = [
+          f"model.{k}={meta['model'][k]!r}, the config says {v!r}"
+          for k, v in self.model.items()
+          if k in shape_fields and k in meta["model"] and meta["model"][k] != v
+      ]
+    if not differing:
+      only_saved = sorted(set(saved_params) - set(wanted_params))
+      only_wanted = sorted(set(wanted_params) - set(saved_params))
+      shape = [
+          k
+          for k in sorted(set(saved_params) & set(wanted_params))
+          if saved_params[k] != wanted_params[k]
+      ]
+      if shape:
+        k = shape[0]
+        differing = [f"{k} of shape {saved_params[k]}, the config makes {wanted_params[k]}"]
+      elif only_saved:
+        differing = [f"parameters {only_saved[:3]} the config lacks"]
+      else:
+        differing = [f"no {only_wanted[:3]}, which the config has"]
+    raise CheckpointMismatchError(
+        f"checkpoint step {step} at {where} does not match the config: it has "
+        f"{'; '.join(differing[:4])}. The checkpoint is intact and was left in place; train "
+        "with the config it was written with (--config=configs/workdir.py:WORKDIR) or use "
+        "another --workdir"
+    )
 
   def _restore_step(self, step: int, abstract_state: Any, data_iter: Any) -> Any:
     items = {"state": ocp.args.StandardRestore(abstract_state), "meta": ocp.args.JsonRestore()}
@@ -135,6 +234,17 @@ class Checkpointer:
       raise CheckpointError("restored values do not match the fingerprints saved with them")
     if not finite:
       raise CheckpointError("restored state holds a NaN or Inf")
+    expected = meta.get("data_fingerprints")
+    if data_iter is not None and expected is not None:
+      if len(expected) != jax.process_count():
+        raise CheckpointMismatchError(
+            f"checkpoint step {step} holds the data state of {len(expected)} processes; this "
+            f"run has {jax.process_count()}"
+        )
+      if data_fingerprint(data_iter.get_state()) != expected[jax.process_index()]:
+        raise CheckpointError(
+            "the data iterator state does not match the fingerprint saved with it"
+        )
     return state
 
   def restore_latest(self, abstract_state: Any, data_iter: Any = None) -> tuple[Any, int] | None:
@@ -146,28 +256,46 @@ class Checkpointer:
     self.manager.reload()
     steps = sorted(self.manager.all_steps(), reverse=True)
     for step in steps:
+      self._check_match(step, abstract_state)  # a mismatch is the config's fault: no fallback
       try:
         return self._restore_step(step, abstract_state, data_iter), step
-      except Exception as e:  # noqa: BLE001 -- any failure to read a step means it is damaged
-        reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
-        where = self.directory / str(step)
-        if self.cfg.on_corrupt == "stop":
-          raise CheckpointError(
-              f"checkpoint step {step} at {where} is damaged ({reason}); stopping because "
-              "config.checkpoint.on_corrupt='stop'. Move that step away to resume from an "
-              "older one, or set --config.checkpoint.on_corrupt=fallback."
-          ) from None
-        logging.warning(
-            "checkpoint step %d at %s is damaged (%s); moving it to %s and "
-            "falling back to the previous checkpoint",
-            step,
-            where,
-            reason,
-            self._quarantine(step),
-        )
+      except CheckpointMismatchError:
+        raise
+      except ValueError as e:
+        if _MISMATCH.search(str(e)):  # Orbax: the on-disk tree is not the config's
+          raise CheckpointMismatchError(
+              f"checkpoint step {step} at {self.directory / str(step)} does not match the "
+              f"config ({str(e).splitlines()[0][:200]}); it was left in place: train with the "
+              "config it was written with (--config=configs/workdir.py:WORKDIR) or use another "
+              "--workdir"
+          ) from e
+        self._damaged(step, e)
+        continue
+      except Exception as e:  # noqa: BLE001 -- any other failure to read a step is damage
+        self._damaged(step, e)
     if steps:
       raise CheckpointError(f"every checkpoint in {self.directory} (steps {steps}) is damaged")
     return None
+
+  def _damaged(self, step: int, error: Exception) -> None:
+    """Stops naming the damaged step, or moves it aside so that the caller falls back."""
+    e = error
+    reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+    where = self.directory / str(step)
+    if self.cfg.on_corrupt == "stop":
+      raise CheckpointError(
+          f"checkpoint step {step} at {where} is damaged ({reason}); stopping because "
+          "config.checkpoint.on_corrupt='stop'. Move that step away to resume from an "
+          "older one, or set --config.checkpoint.on_corrupt=fallback."
+      ) from None
+    logging.warning(
+        "checkpoint step %d at %s is damaged (%s); moving it to %s and "
+        "falling back to the previous checkpoint",
+        step,
+        where,
+        reason,
+        self._quarantine(step),
+    )
 
   def _quarantine(self, step: int) -> pathlib.Path:
     """Moves a damaged step out of the manager's directory so that it can be saved again."""
@@ -188,6 +316,16 @@ class Checkpointer:
     """Finishes pending saves and releases the manager."""
     self.manager.wait_until_finished()
     self.manager.close()
+
+
+def _all_processes(value: int) -> list[int]:
+  """`value` of every process, in process order (each process fingerprints its own data)."""
+  if jax.process_count() == 1:
+    return [int(value)]
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+  gathered = multihost_utils.process_allgather(np.array(value, np.uint32))
+  return [int(v) for v in np.asarray(gathered).reshape(-1)]
 
 
 def abstract_with_shardings(state: Any, shardings: Any) -> Any:

@@ -120,7 +120,15 @@ def _load_params(
       missing += absent
       continue
     consumed.update(rule.hf)
-    flat.update(zip(rule.ours, rule.load([weights[k] for k in rule.hf])))
+    try:
+      flat.update(zip(rule.ours, rule.load([weights[k] for k in rule.hf])))
+    except ValueError as e:  # a reshape: config.json's widths disagree with the tensor
+      shapes = [tuple(weights[k].shape) for k in rule.hf]
+      raise ConversionError(
+          f"{where}: tensor {', '.join(rule.hf)} (tx_jax {', '.join(rule.ours)}) has shape "
+          f"{shapes[0] if len(shapes) == 1 else shapes}, which config.json's sizes do not fit "
+          f"({e})"
+      ) from None
   if missing:
     raise ConversionError(
         f"{where}: the weights lack {len(missing)} tensors that "

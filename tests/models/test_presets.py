@@ -1,7 +1,9 @@
 """Every preset builds abstractly; published presets reproduce HF's parameter counts."""
 
+import contextlib
 import importlib
 
+import numpy as np
 import pytest
 
 from tx_jax.models import ModelConfig
@@ -91,3 +93,91 @@ def test_invalid_model_fields_name_the_field():
   config.model.positions = "absolute"
   with pytest.raises(ValueError, match="positions='absolute'"):
     ModelConfig.from_config(config.model)
+
+
+# --- every preset trains as shipped (ARCHITECTURE.md: "First contact") ---
+# Tiny presets train a few steps as shipped; the others are dry-run (abstract, no weights).
+TINY = [(f, p) for f, p in ALL_PRESETS if "tiny" in p or p in ("default", "multi30k")]
+LARGE = [fp for fp in ALL_PRESETS if fp not in TINY]
+# Presets reading data that is not in the repository.
+NEEDS_DATA_DIR = {("gpt", "tiny-shakespeare"), ("bert", "tiny-mlm"), ("t5", "tiny-span")}
+
+
+@pytest.mark.parametrize("family_file,preset", ALL_PRESETS)
+def test_preset_passes_validation_as_shipped(family_file, preset):
+  from tx_jax import validation
+
+  config = _config(family_file, preset)
+  if (family_file, preset) == ("transformer", "multi30k"):
+    # Its SentencePiece vocabulary is made by experiments.train_tokenizer first (README).
+    with pytest.raises(FileNotFoundError, match="data.spm_model_path.*train_tokenizer"):
+      validation.train_config(config)
+    return
+  validation.train_config(config)
+  family, task = config.model.family, config.data.task
+  assert task in validation.FAMILY_TASKS[family]
+
+
+def test_the_decoder_default_preset_is_a_language_model():
+  """The issue's first contact: configs/gpt.py:tiny used to inherit the seq2seq task."""
+  assert _config("gpt", "tiny").data.task == "lm"
+  assert _config("bert", "tiny").data.task == "mlm"
+  assert _config("t5", "tiny").data.task == "span_corruption"
+
+
+def _few_steps(config, tmp_path):
+  """The preset as shipped, for 2 steps and one small eval (the schedule's warm-up shortened)."""
+  t = config.train
+  t.steps, t.eval_every, t.log_every, t.eval_batches = 2, 0, 1, 1
+  t.decode_examples, t.print_examples, t.plot, t.progress = 4, 0, False, "log"
+  config.schedule.warmup_steps = 1
+  config.checkpoint.every = 0
+  if config.data.source == "tfds":
+    config.data.tfds_data_dir = str(tmp_path / "tfds")  # prepared here, not in ~/
+  return config
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family_file,preset", TINY)
+def test_tiny_preset_trains_as_shipped(family_file, preset, tmp_path, monkeypatch):
+  from tx_jax import validation
+  from tx_jax.train import loop
+
+  if (family_file, preset) in NEEDS_DATA_DIR or preset == "multi30k":
+    from tests.conftest import shared_data_dir
+
+    if shared_data_dir() is None:
+      pytest.skip("offline data not found: set TX_JAX_DATA_DIR to a copy of shared/data")
+    monkeypatch.setenv("TX_JAX_DATA_DIR", str(shared_data_dir()))  # read by get_config
+  config = _few_steps(_config(family_file, preset), tmp_path)
+  context = contextlib.nullcontext()
+  if preset == "multi30k":  # step one of its README recipe: the shared 8k vocabulary
+    from tx_jax.data import sources, tokenizers
+
+    prefix = str(tmp_path / "spm")
+    config.data.spm_model_path = tokenizers.train_sentencepiece(
+        sources.texts(config.data, config.data.train_split),
+        prefix,
+        vocab_size=config.data.vocab_size,
+        model_type=config.data.spm_model_type,
+    )
+  if preset == "tiny-sst2":  # glue/sst2 needs a download: TFDS's mock data stands in
+    import tensorflow_datasets as tfds
+
+    context = tfds.testing.mock_data(num_examples=64)
+  with context:
+    result = loop.train_and_evaluate(config, tmp_path / "run")
+  assert result["step"] == 2 and np.isfinite(result["loss"]) and result["skipped_updates"] == 0
+  # Every metric the eval promises exists (checkpoint.best_metric is validated against it).
+  assert set(validation.eval_metric_names(config)) <= set(result)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family_file,preset", LARGE)
+def test_large_preset_dry_runs(family_file, preset):
+  from tx_jax.train import loop
+
+  config = _config(family_file, preset)
+  loop.validate(config)
+  report = loop.dry_run_report(config)
+  assert any(line.startswith("params: ") for line in report.splitlines())

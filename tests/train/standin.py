@@ -12,15 +12,17 @@ class TinyLM(nn.Module):
   vocab: int = 11
   width: int = 16
   dropout: float = 0.0
-  dtype: jnp.dtype = jnp.float32
+  dtype: jnp.dtype = jnp.float32  # compute
+  param_dtype: jnp.dtype = jnp.float32  # storage
 
   @nn.compact
   def __call__(self, tokens, train: bool = False):
-    x = nn.Embed(self.vocab, self.width, name="embed", dtype=self.dtype)(tokens)
-    x = nn.LayerNorm(name="norm", dtype=self.dtype)(x)
+    kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+    x = nn.Embed(self.vocab, self.width, name="embed", **kw)(tokens)
+    x = nn.LayerNorm(name="norm", **kw)(x)
     x = nn.Dropout(self.dropout, deterministic=not train)(x)
-    x = nn.relu(nn.Dense(self.width, name="hidden", dtype=self.dtype)(x))
-    return nn.Dense(self.vocab, name="out", dtype=self.dtype)(x).astype(jnp.float32)
+    x = nn.relu(nn.Dense(self.width, name="hidden", **kw)(x))
+    return nn.Dense(self.vocab, name="out", **kw)(x).astype(jnp.float32)
 
 
 def apply_fn_for(module: nn.Module):

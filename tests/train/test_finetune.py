@@ -2,13 +2,31 @@
 
 import json
 
+import jax
+import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
 from configs import bert
+from tx_jax import data, models
+from tx_jax.decode import workdir as workdir_lib
 from tx_jax.train import loop
 
 pytestmark = pytest.mark.slow
+
+
+def _accuracy_by_hand(config, params) -> float:
+  """Accuracy of the final params on the eval split: argmax vs label over real rows, in numpy."""
+  module = models.build(config.model)
+  hits = total = 0.0
+  for batch in data.build_eval_batches(config, config.train.eval_split):
+    args, kwargs = models.model_inputs(config.model, batch)
+    logits = np.asarray(module.apply({"params": params}, *args, **kwargs, train=False))
+    assert logits.shape == (len(batch["labels"]), config.model.num_classes)
+    weights = np.asarray(batch["weights"], np.float64)
+    hits += float(np.sum(weights * (logits.argmax(-1) == batch["labels"])))
+    total += float(np.sum(weights))
+  return hits / total
 
 
 def test_bert_sst2_preset_trains_on_mock_data(tmp_path):
@@ -24,7 +42,10 @@ def test_bert_sst2_preset_trains_on_mock_data(tmp_path):
   config.train.progress, config.train.plot, config.schedule.warmup_steps = "log", False, 1
   with tfds.testing.mock_data(num_examples=16):
     result = loop.train_and_evaluate(config, tmp_path)
-  assert result["step"] == 4
-  assert 0.0 <= result["eval_accuracy"] <= 1.0
+    params, step = workdir_lib.restore_params(tmp_path / "checkpoints", config.model)
+    expected = _accuracy_by_hand(config, jax.device_get(params))
+  assert result["step"] == step == 4
+  # The trainer's eval_accuracy is the final model's accuracy on the eval split, exactly.
+  assert result["eval_accuracy"] == pytest.approx(expected, abs=1e-6)
   rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in rows if "loss" in r] == [2, 4]

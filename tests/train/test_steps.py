@@ -133,21 +133,33 @@ def test_clipping_bounds_the_update_norm(setup):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_stand_in_overfits_one_batch(setup, dtype):
   module, batch = setup
-  module = standin.TinyLM(dtype=dtype, width=32)
+  module = standin.TinyLM(dtype=dtype, param_dtype=jnp.float32, width=32)
   tx, schedule = optimizers.build_optimizer(_config(learning_rate=3e-2))
-  step = jax.jit(
-      functools.partial(
-          steps.train_step, apply_fn=standin.apply_fn_for(module), tx=tx, schedule=schedule
-      ),
-      donate_argnums=0,
+  raw_step = functools.partial(
+      steps.train_step, apply_fn=standin.apply_fn_for(module), tx=tx, schedule=schedule
   )
+  step = jax.jit(raw_step, donate_argnums=0)
   # Targets must be a function of the input token for a per-token model to fit them.
   batch = dict(batch, targets=(batch["inputs"] * 3 + 1) % 11)
   state = _state(module, batch, tx)
-  assert jax.tree.leaves(state.params)[0].dtype == jnp.float32  # f32 params under bf16 compute
+  # The step really computes in `dtype` (bf16 matmuls under bf16 compute, none under f32)...
+  dots = [
+      e for e in jax.make_jaxpr(raw_step)(state, batch).eqns if e.primitive.name == "dot_general"
+  ]
+  assert dots and all(
+      (e.invars[0].aval.dtype == jnp.bfloat16) == (dtype == jnp.bfloat16) for e in dots[:2]
+  )
   for _ in range(150):
     state, metrics = step(state, batch)
   loss = float(metrics["loss_sum"] / metrics["weight_sum"])
   assert loss < 0.05, loss
+  # ...while the params and Adam's moments stay float32 after 150 updates.
+  def floats(tree):
+    return {x.dtype for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)}
+
+  assert floats(state.params) == floats(state.opt_state) == {jnp.dtype(jnp.float32)}
+  # ...holding float32 values: an update rounded through bf16 would leave only bf16 values.
+  kernel = np.asarray(state.params["hidden"]["kernel"])
+  assert np.mean(kernel != kernel.astype(jnp.bfloat16).astype(np.float32)) > 0.5
   ev = steps.eval_step(state.params, batch, apply_fn=standin.apply_fn_for(module))
   assert float(ev["correct_sum"]) == float(ev["weight_sum"])

@@ -49,7 +49,7 @@ def run(options: Options) -> dict:
 
   from configs import gpt  # pylint: disable=g-import-not-at-top
   from tx_jax import decode, hf, models
-  from tx_jax.decode import chunked_cache, models as dm
+  from tx_jax.decode import chunked_cache, generate as dm
 
   news, batches, repeats = ([4], [1], 1) if options.smoke else ([64, 256, 1024], [1, 8], 3)
   config = gpt.get_config("tiny")

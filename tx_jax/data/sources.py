@@ -58,14 +58,20 @@ class KeyedSource(Sequence):
     return out
 
 
+class FeatureKeyError(KeyError, ValueError):
+  """A data.*_key names no feature of the source: a config error (a KeyError for old callers)."""
+
+  __str__ = Exception.__str__
+
+
 def _check_features(data_cfg, available: Sequence[str], what: str) -> dict[str, str]:
   """Maps standard keys to feature names, failing with the config field that names a missing one."""
   keys = {}
   for std, field in _task_keys(data_cfg).items():
     name = data_cfg[field]
     if name not in available:
-      raise KeyError(
-          f"data.{field}={name!r} is not a feature of {what}; " f"available: {sorted(available)}"
+      raise FeatureKeyError(
+          f"data.{field}={name!r} is not a feature of {what}; available: {sorted(available)}"
       )
     keys[std] = name
   return keys
@@ -89,6 +95,8 @@ def tfds_source(data_cfg: ml_collections.ConfigDict, split: str, builder=None) -
       ) from e
   features = builder.info.features
   keys = _check_features(data_cfg, list(features.keys()), f"TFDS {builder.name!r}")
+  if not builder.is_prepared():
+    check_manual_dir(data_cfg, builder.name, str(builder.data_path))
   builder.download_and_prepare(
       file_format="array_record",
       download_config=tfds.download.DownloadConfig(manual_dir=data_cfg.manual_dir),
@@ -103,6 +111,42 @@ def tfds_source(data_cfg: ml_collections.ConfigDict, split: str, builder=None) -
   return KeyedSource(builder.as_data_source(split=split), keys)
 
 
+# Raw files TFDS reads from manual_dir instead of downloading them, per data set, and where
+# to get them.
+MANUAL_FILES = {"tiny_shakespeare": ("input.txt",)}
+MANUAL_SOURCES = {
+    "tiny_shakespeare": "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/"
+    "tinyshakespeare/input.txt"
+}
+
+
+def check_manual_dir(data_cfg: ml_collections.ConfigDict, name: str, prepared_at: str) -> None:
+  """Fails at once when an unprepared data set's manual_dir lacks its files.
+
+  Without this, TFDS would fall back to downloading and, offline, spend minutes in retries.
+  """
+  manual_dir = data_cfg.manual_dir
+  if not manual_dir:
+    return
+  needed = MANUAL_FILES.get(name.split("/")[0], ())
+  present = os.listdir(manual_dir) if os.path.isdir(manual_dir) else []
+  missing = [f for f in needed if f not in present] if needed else ([] if present else ["any"])
+  if not missing:
+    return
+  what = "does not exist" if not os.path.isdir(manual_dir) else f"lacks {missing}"
+  source = MANUAL_SOURCES.get(name.split("/")[0])
+  raise MissingDataError(
+      f"data.manual_dir={manual_dir!r} {what}, and TFDS {name!r} is not prepared in "
+      f"{prepared_at}; point TX_JAX_DATA_DIR (read when the config is built) at the folder "
+      f"holding the offline data sets, or --config.data.manual_dir at the raw files"
+      + (f" (from {source})" if source else "")
+  )
+
+
+class MissingDataError(FileNotFoundError):
+  """A local data set is absent; the message names the directory and the variable to set."""
+
+
 def multi30k_source(data_cfg: ml_collections.ConfigDict, split: str) -> KeyedSource:
   """tx_jax's Multi30k de-en TFDS builder (manual_dir: the raw .gz files)."""
   from tx_jax.data import multi30k
@@ -112,9 +156,10 @@ def multi30k_source(data_cfg: ml_collections.ConfigDict, split: str) -> KeyedSou
         n for n in multi30k.RAW_FILES if not os.path.isfile(os.path.join(data_cfg.manual_dir, n))
     ]
     if missing:
-      raise FileNotFoundError(
+      raise MissingDataError(
           f"data.manual_dir={data_cfg.manual_dir!r} lacks Multi30k files "
-          f"{missing}; it needs {list(multi30k.RAW_FILES)}"
+          f"{missing}; it needs {list(multi30k.RAW_FILES)} (point TX_JAX_DATA_DIR at the "
+          "folder holding multi30k/, or set --config.data.manual_dir)"
       )
   builder = multi30k.Multi30k(data_dir=data_cfg.tfds_data_dir, file_format="array_record")
   return tfds_source(data_cfg, split, builder=builder)

@@ -3,7 +3,7 @@
 Hypotheses are ranked by log P(y) / lp(y) with lp(y) = ((5 + |y|) / 6) ** alpha
 (Wu et al. 2016, eq. 14), |y| counting the generated tokens including the EOS;
 the Transformer paper used beam 4 and alpha 0.6. Each step expands the W alive
-beams to W * V candidates and keeps the best 2W:
+beams to W * V candidates and keeps the best E = 2W:
 
 - an EOS candidate is finished only if it ranks among the best W (as in
   fairseq), so beam 1 with alpha 0 is exactly greedy decoding;
@@ -38,7 +38,7 @@ NEG_INF = -1.0e7
 class BeamResult(NamedTuple):
   """W hypotheses per row, best first; ids are 0 after each hypothesis' EOS."""
 
-  tokens: jax.Array  # [B, W, N] int32
+  tokens: jax.Array  # [B, W, Y] int32
   scores: jax.Array  # [B, W] float32, log P / lp(length); NEG_INF on empty slots
   log_probs: jax.Array  # [B, W] float32, log P of the generated tokens
   lengths: jax.Array  # [B, W] int32, generated tokens including the EOS
@@ -51,17 +51,17 @@ def length_penalty(length: jax.Array | int, alpha: float) -> jax.Array:
 
 class _Beams(NamedTuple):
   i: jax.Array  # index of the next token to generate
-  alive_BWN: jax.Array
+  alive_BWY: jax.Array
   alive_logp_BW: jax.Array
-  fin_BWN: jax.Array
+  fin_BWY: jax.Array
   fin_scores_BW: jax.Array
   fin_logp_BW: jax.Array
   cache: Any
 
 
-def _take(x_BK: jax.Array, idx_BJ: jax.Array) -> jax.Array:
-  """x[b, idx[b, j]] for arrays with any trailing axes."""
-  return jax.vmap(lambda x, i: x[i])(x_BK, idx_BJ)
+def _take(x: jax.Array, idx: jax.Array) -> jax.Array:
+  """x[b, idx[b, j]] for x [B, I, ...] and idx [B, J]: per-row gathers with any trailing axes."""
+  return jax.vmap(lambda x, i: x[i])(x, idx)
 
 
 def gather_cache(cache: Any, flat_index: jax.Array) -> Any:
@@ -79,37 +79,37 @@ def _update(
 ) -> tuple[_Beams, jax.Array]:
   """Extends the beams by one token given each alive beam's next-token log-probs."""
   batch, w, vocab = logp_BWV.shape
-  cand_BC = (s.alive_logp_BW[:, :, None] + logp_BWV).reshape(batch, w * vocab)
+  cand_BWV = s.alive_logp_BW[:, :, None] + logp_BWV
   k2 = min(2 * w, w * vocab)
-  top_logp_BK, top_idx_BK = jax.lax.top_k(cand_BC, k2)
-  parent_BK = top_idx_BK // vocab
-  token_BK = (top_idx_BK % vocab).astype(jnp.int32)
-  seqs_BKN = _take(s.alive_BWN, parent_BK)
-  seqs_BKN = jax.lax.dynamic_update_slice_in_dim(seqs_BKN, token_BK[:, :, None], s.i, axis=2)
-  is_eos_BK = token_BK == eos_id if eos_id is not None else jnp.zeros_like(token_BK, bool)
-  real_BK = top_logp_BK > NEG_INF / 2  # candidates grown from real (not padding) beams
-  in_top_w_K = jnp.arange(k2) < w
-  finishes_BK = (is_eos_BK | (s.i == n - 1)) & in_top_w_K & real_BK
+  top_logp_BE, top_idx_BE = jax.lax.top_k(cand_BWV.reshape(batch, w * vocab), k2)
+  parent_BE = top_idx_BE // vocab
+  token_BE = (top_idx_BE % vocab).astype(jnp.int32)
+  seqs_BEY = _take(s.alive_BWY, parent_BE)
+  seqs_BEY = jax.lax.dynamic_update_slice_in_dim(seqs_BEY, token_BE[:, :, None], s.i, axis=2)
+  is_eos_BE = token_BE == eos_id if eos_id is not None else jnp.zeros_like(token_BE, bool)
+  real_BE = top_logp_BE > NEG_INF / 2  # candidates grown from real (not padding) beams
+  in_top_w_E = jnp.arange(k2) < w
+  finishes_BE = (is_eos_BE | (s.i == n - 1)) & in_top_w_E & real_BE
 
-  alive_logp_BW, keep_BW = jax.lax.top_k(jnp.where(is_eos_BK, NEG_INF, top_logp_BK), w)
-  alive_BWN = _take(seqs_BKN, keep_BW)
-  parent_BW = _take(parent_BK, keep_BW)
+  alive_logp_BW, keep_BW = jax.lax.top_k(jnp.where(is_eos_BE, NEG_INF, top_logp_BE), w)
+  alive_BWY = _take(seqs_BEY, keep_BW)
+  parent_BW = _take(parent_BE, keep_BW)
 
-  scores_BK = jnp.where(finishes_BK, top_logp_BK / length_penalty(s.i + 1, alpha), NEG_INF)
-  all_scores = jnp.concatenate([s.fin_scores_BW, scores_BK], axis=1)
-  all_logp = jnp.concatenate([s.fin_logp_BW, top_logp_BK], axis=1)
-  all_seqs = jnp.concatenate([s.fin_BWN, seqs_BKN], axis=1)
+  scores_BE = jnp.where(finishes_BE, top_logp_BE / length_penalty(s.i + 1, alpha), NEG_INF)
+  all_scores = jnp.concatenate([s.fin_scores_BW, scores_BE], axis=1)
+  all_logp = jnp.concatenate([s.fin_logp_BW, top_logp_BE], axis=1)
+  all_seqs = jnp.concatenate([s.fin_BWY, seqs_BEY], axis=1)
   # Earlier finished hypotheses come first, so ties keep them (top_k prefers lower indices).
   fin_scores_BW, best_BW = jax.lax.top_k(all_scores, w)
   fin_logp_BW = _take(all_logp, best_BW)
-  fin_BWN = _take(all_seqs, best_BW)
+  fin_BWY = _take(all_seqs, best_BW)
 
   flat = (jnp.arange(batch)[:, None] * w + parent_BW).reshape(-1)
   cache = gather_cache(s.cache, flat)
   # The best score an alive beam can still reach (exact bound for alpha >= 0).
   bound_B = alive_logp_BW[:, 0] / length_penalty(n, alpha)
   done_B = fin_scores_BW[:, -1] > bound_B
-  new = _Beams(s.i + 1, alive_BWN, alive_logp_BW, fin_BWN, fin_scores_BW, fin_logp_BW, cache)
+  new = _Beams(s.i + 1, alive_BWY, alive_logp_BW, fin_BWY, fin_scores_BW, fin_logp_BW, cache)
   return new, done_B
 
 
@@ -138,12 +138,12 @@ def beam_search(
   )
   # Only beam 0 is real at the start; the others would duplicate it.
   alive_logp_BW = jnp.full((batch, w), NEG_INF, jnp.float32).at[:, 0].set(0.0)
-  zeros_BWN = jnp.zeros((batch, w, n), jnp.int32)
+  zeros_BWY = jnp.zeros((batch, w, n), jnp.int32)
   state = _Beams(
       jnp.int32(0),
-      zeros_BWN,
+      zeros_BWY,
       alive_logp_BW,
-      zeros_BWN,
+      zeros_BWY,
       jnp.full((batch, w), NEG_INF, jnp.float32),
       jnp.full((batch, w), NEG_INF, jnp.float32),
       repeat_cache(cache, w),
@@ -157,7 +157,7 @@ def beam_search(
 
   def body(carry):
     s, _ = carry
-    last_BW1 = jax.lax.dynamic_slice_in_dim(s.alive_BWN, s.i - 1, 1, axis=2)
+    last_BW1 = jax.lax.dynamic_slice_in_dim(s.alive_BWY, s.i - 1, 1, axis=2)
     logits_BT1V, cache = step_fn(
         params,
         last_BW1.reshape(batch * w, 1),
@@ -169,5 +169,5 @@ def beam_search(
     return update(s._replace(cache=cache), logp_BWV)
 
   state, _ = jax.lax.while_loop(cond, body, (state, done_B))
-  lengths_BW = generated_lengths(state.fin_BWN, eos_id)
-  return BeamResult(state.fin_BWN, state.fin_scores_BW, state.fin_logp_BW, lengths_BW)
+  lengths_BW = generated_lengths(state.fin_BWY, eos_id)
+  return BeamResult(state.fin_BWY, state.fin_scores_BW, state.fin_logp_BW, lengths_BW)

@@ -75,9 +75,9 @@ def make_prompt(
   return Prompt(tokens, segment_ids, positions, lengths)
 
 
-def strip_generated(tokens_N: Sequence[int], length: int, eos_id: int | None) -> list[int]:
+def strip_generated(tokens_Y: Sequence[int], length: int, eos_id: int | None) -> list[int]:
   """The first `length` generated ids without a trailing EOS (for detokenizing)."""
-  out = [int(t) for t in tokens_N[:length]]
+  out = [int(t) for t in tokens_Y[:length]]
   if eos_id is not None and out and out[-1] == eos_id:
     out = out[:-1]
   return out

@@ -6,9 +6,10 @@ Everything here is written against a step function,
 
 which runs the model on T >= 1 new tokens, writes them into the cache and returns
 their next-token logits. An optional `prefill_fn` of the same signature replaces
-it on the first call (encoder-decoders pass the encoder output there only). A tx_jax model with a KV cache is one such function
-(`tx_jax.decode.models`), a model without one is another (it keeps the tokens as
-its "cache" and recomputes), and the tests use numpy Markov tables. Call the
+it on the first call (encoder-decoders pass the encoder output there only). A tx_jax
+model with a KV cache is one such function (`tx_jax.decode.generate`), a model without
+one is another (it keeps the tokens as its "cache" and recomputes), and the tests use
+numpy Markov tables. Call the
 functions below under `jax.jit` with the step function static; the prefill is one
 call on the whole left-padded prompt, then one call per new token.
 """
@@ -30,7 +31,7 @@ StepFn = Callable[[Any, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, 
 class DecodeResult(NamedTuple):
   """Generated ids: `tokens[b, :lengths[b]]` ends with EOS if one was produced; 0 after."""
 
-  tokens: jax.Array  # [B, N] int32
+  tokens: jax.Array  # [B, Y] int32
   lengths: jax.Array  # [B] int32, generated tokens including the EOS
 
 
@@ -43,8 +44,8 @@ def process_logits(
   if top_k > 0 and top_k < logits_BV.shape[-1]:
     # Keep by index, not by a threshold value, so ties cannot widen the set
     # and top_k=1 picks exactly argmax's token (both prefer the lower index).
-    _, idx_BK = jax.lax.top_k(logits_BV, top_k)
-    keep_BV = jnp.zeros(logits_BV.shape, bool).at[rows_B1, idx_BK].set(True)
+    _, idx_BE = jax.lax.top_k(logits_BV, top_k)
+    keep_BV = jnp.zeros(logits_BV.shape, bool).at[rows_B1, idx_BE].set(True)
     logits_BV = jnp.where(keep_BV, logits_BV, -jnp.inf)
   if top_p < 1.0:
     order_BV = jnp.argsort(-logits_BV, axis=-1, stable=True)
@@ -81,12 +82,12 @@ def prefill(step_fn: StepFn, params: Any, cache: Any, prompt: Prompt) -> tuple[j
   return logits_BPV[:, -1].astype(jnp.float32), cache
 
 
-def generated_lengths(tokens_BN: jax.Array, eos_id: int | None) -> jax.Array:
+def generated_lengths(tokens_BY: jax.Array, eos_id: int | None) -> jax.Array:
   """Tokens up to and including the first EOS, else N."""
-  n = tokens_BN.shape[-1]
+  n = tokens_BY.shape[-1]
   if eos_id is None:
-    return jnp.full(tokens_BN.shape[:-1], n, jnp.int32)
-  is_eos = tokens_BN == eos_id
+    return jnp.full(tokens_BY.shape[:-1], n, jnp.int32)
+  is_eos = tokens_BY == eos_id
   first = jnp.argmax(is_eos, axis=-1)
   return jnp.where(is_eos.any(axis=-1), first + 1, n).astype(jnp.int32)
 
@@ -125,7 +126,7 @@ def sample(
   logits_BV, cache = prefill(prefill_fn or step_fn, params, cache, prompt)
   rng, key = jax.random.split(rng)
   token_B = _select(logits_BV, key, greedy, temperature, top_k, top_p)
-  tokens_BN = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(token_B)
+  tokens_BY = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(token_B)
   done_B = token_B == eos_id if eos_id is not None else jnp.zeros((batch,), bool)
 
   # With cache_chunk, the steps of a chunk only read the long KV cache (closed over,
@@ -138,11 +139,11 @@ def sample(
     return (i < end) & ~jnp.all(done_B)
 
   def decode_chunk(outer):
-    i, tokens_BN, token_B, done_B, frozen, live, rng = outer
+    i, tokens_BY, token_B, done_B, frozen, live, rng = outer
     end = jnp.minimum(i + chunk, max_new_tokens)
 
     def step(state):
-      i, tokens_BN, token_B, done_B, live, rng = state
+      i, tokens_BY, token_B, done_B, live, rng = state
       # Token i-1 sits at position prompt_length + i - 1 of its row.
       positions_B1 = (lengths_B + i - 1)[:, None]
       logits_B1V, cache = step_fn(
@@ -155,22 +156,22 @@ def sample(
       rng, key = jax.random.split(rng)
       new_B = _select(logits_B1V[:, 0].astype(jnp.float32), key, greedy, temperature, top_k, top_p)
       new_B = jnp.where(done_B, 0, new_B)
-      tokens_BN = jax.lax.dynamic_update_slice(tokens_BN, new_B[:, None], (0, i))
+      tokens_BY = jax.lax.dynamic_update_slice(tokens_BY, new_B[:, None], (0, i))
       if eos_id is not None:
         done_B = done_B | (new_B == eos_id)
-      return i + 1, tokens_BN, new_B, done_B, live_part(cache), rng
+      return i + 1, tokens_BY, new_B, done_B, live_part(cache), rng
 
     state = jax.lax.while_loop(
-        lambda s: running(s[0], s[3], end), step, (i, tokens_BN, token_B, done_B, live, rng)
+        lambda s: running(s[0], s[3], end), step, (i, tokens_BY, token_B, done_B, live, rng)
     )
-    i, tokens_BN, token_B, done_B, live, rng = state
+    i, tokens_BY, token_B, done_B, live, rng = state
     frozen, live = chunked_cache.flush(frozen, live)
-    return i, tokens_BN, token_B, done_B, frozen, live, rng
+    return i, tokens_BY, token_B, done_B, frozen, live, rng
 
-  state = (jnp.int32(1), tokens_BN, token_B, done_B, frozen, live, rng)
+  state = (jnp.int32(1), tokens_BY, token_B, done_B, frozen, live, rng)
   state = jax.lax.while_loop(lambda s: running(s[0], s[3], max_new_tokens), decode_chunk, state)
-  tokens_BN = state[1]
-  return DecodeResult(tokens_BN, generated_lengths(tokens_BN, eos_id))
+  tokens_BY = state[1]
+  return DecodeResult(tokens_BY, generated_lengths(tokens_BY, eos_id))
 
 
 def greedy(

@@ -42,9 +42,12 @@ def read_weights(directory: str | pathlib.Path) -> dict[str, np.ndarray]:
     raise ConversionError(f"{directory} has neither {SINGLE} nor {INDEX}{hint}")
   tensors: dict[str, np.ndarray] = {}
   for name in files:
-    with safe_open(str(directory / name), framework="np") as f:
-      for key in f.keys():
-        tensors[key] = f.get_tensor(key)
+    try:
+      with safe_open(str(directory / name), framework="np") as f:
+        for key in f.keys():
+          tensors[key] = f.get_tensor(key)
+    except Exception as e:  # noqa: BLE001 -- SafetensorError and friends name no file
+      raise ConversionError(f"{directory / name} cannot be read as safetensors: {e}") from e
   return tensors
 
 

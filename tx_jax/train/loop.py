@@ -17,50 +17,21 @@ from jax.experimental import multihost_utils
 import ml_collections
 import numpy as np
 
+from tx_jax import evaluation
 from tx_jax import models
 from tx_jax import sharding
+from tx_jax import validation
 from tx_jax.models import summary as model_summary
-from tx_jax.train import evaluator as evaluation, metrics as metrics_lib, optimizers
+from tx_jax.train import metrics as metrics_lib, optimizers
 from tx_jax.train import run as run_lib
 from tx_jax.train.run import NonFiniteLossError, make_apply_fn  # noqa: F401  (public here)
 
-NONFINITE = ("skip", "abort")
+NONFINITE = validation.NONFINITE
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
-  """Checks the train section before anything is built, naming the bad field."""
-  t = config.train
-  for name in ("steps", "log_every", "grad_accum_steps"):
-    if t[name] < 1:
-      raise ValueError(f"config.train.{name}={t[name]}: must be >= 1")
-  for name, value in (
-      ("train.eval_every", t.eval_every),
-      ("checkpoint.every", config.checkpoint.every),
-  ):
-    if value < 0:
-      raise ValueError(f"config.{name}={value}: must be >= 0 (0 = only at the end)")
-  if t.nonfinite not in NONFINITE:
-    raise ValueError(f"config.train.nonfinite={t.nonfinite!r}: expected one of {NONFINITE}")
-  unknown = set(t.decode_metrics) - set(evaluation.DECODE_METRICS)
-  if unknown:
-    raise ValueError(
-        f"config.train.decode_metrics has {sorted(unknown)}; accepted: "
-        f"{evaluation.DECODE_METRICS}"
-    )
-  if t.decode_metrics and config.model.family != "encdec":
-    raise ValueError(
-        f"config.train.decode_metrics={tuple(t.decode_metrics)} needs an "
-        f"encdec model, not config.model.family={config.model.family!r}"
-    )
-  if config.model.family == "encoder" and config.model.head == "none":
-    raise ValueError(
-        "config.model.head='none' has no loss to train; use 'mlm' or " "'classification'"
-    )
-  if config.data.global_batch_size % t.grad_accum_steps:
-    raise ValueError(
-        f"config.data.global_batch_size={config.data.global_batch_size} is not "
-        f"divisible by config.train.grad_accum_steps={t.grad_accum_steps}"
-    )
+  """Every cross-field check of a training config, before anything is built (tx_jax.validation)."""
+  validation.train_config(config)
 
 
 class _StopFlag:
@@ -112,6 +83,25 @@ def is_due(step: int, every: int, total: int) -> bool:
   return step == total or (every > 0 and step % every == 0)
 
 
+# --- nothing lost: the trained state outlives a failing eval or checkpoint bookkeeping ---
+def save_trained_state(run: run_lib.TrainRun, step: int) -> None:
+  """Saves the state at `step` (no metrics) when a failure after training would lose it.
+
+  Called while another exception propagates: a failure here is printed, never raised, so
+  the original error is the one reported.
+  """
+  try:
+    run.save(step)
+    run.ckpt.wait()
+    print(f"saved the trained state at step {step} in {run.ckpt.directory}", flush=True)
+  except Exception as e:  # noqa: BLE001 -- e.g. a non-finite state, which is never saved
+    print(
+        f"could not save step {step} ({e}); the last good checkpoint is step "
+        f"{run.ckpt.latest_step()}",
+        flush=True,
+    )
+
+
 def train_and_evaluate(
     config: ml_collections.ConfigDict, workdir: str | pathlib.Path
 ) -> dict[str, Any]:
@@ -149,11 +139,15 @@ def train_and_evaluate(
         if evaluate or save:
           window.flush()
         eval_metrics = None
-        if evaluate:
-          with window.paused():
-            eval_metrics = last_eval = run.evaluate(step)
-        if save or (evaluate and config.checkpoint.best_metric):
-          run.save(step, eval_metrics if config.checkpoint.best_metric else None)
+        try:
+          if evaluate:
+            with window.paused():
+              eval_metrics = last_eval = run.evaluate(step)
+          if save or (evaluate and config.checkpoint.best_metric):
+            run.save(step, eval_metrics if config.checkpoint.best_metric else None)
+        except Exception:
+          save_trained_state(run, step)
+          raise
         if preempted:
           run.bar.write(f"signal {stop.signum} received: saved step {step}, exiting")
           break

@@ -17,10 +17,11 @@ import ml_collections
 
 from tx_jax import checkpoint as checkpoint_lib
 from tx_jax import data
+from tx_jax import evaluation
 from tx_jax import models
 from tx_jax import sharding
 from tx_jax.models import summary as model_summary
-from tx_jax.train import evaluator as evaluation, metrics as metrics_lib, optimizers
+from tx_jax.train import metrics as metrics_lib, optimizers
 from tx_jax.train import progress as progress_lib, state as state_lib, steps
 
 
@@ -152,7 +153,7 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> TrainRun:
   abstract_state = jax.eval_shape(init_fn)
   shardings = sharding.state_shardings(abstract_state, boxed_params, mesh, rules)
 
-  ckpt = checkpoint_lib.Checkpointer(workdir / "checkpoints", config.checkpoint)
+  ckpt = checkpoint_lib.Checkpointer(workdir / "checkpoints", config.checkpoint, config.model)
   restored = None
   if config.checkpoint.resume:
     restored = ckpt.restore_latest(

@@ -1,4 +1,4 @@
-"""experiments/decode.py end to end on a workdir written the way the trainer writes one."""
+"""Loading a trainer workdir (decode/workdir.py), and experiments/decode.py end to end on one."""
 
 import json
 import os
@@ -16,11 +16,10 @@ import pytest
 from configs import gpt, transformer
 from tx_jax import checkpoint, decode, models
 from tx_jax.data.tokenizers import ByteTokenizer
-from tx_jax.decode import models as dm
 from tx_jax.decode import workdir as wd
 from tx_jax.train.state import TrainState
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 EOS = ByteTokenizer.eos_id
 
 
@@ -96,11 +95,11 @@ def test_cli_prompt_ids_json_greedy_equals_the_library(lm_workdir):
   )
   assert proc.returncode == 0, proc.stderr[-2000:]
   record = json.loads(proc.stdout.strip().splitlines()[-1])
-  out = dm.generate(
+  out = decode.generate(
       module,
       params,
       decode.make_prompt([[40, 41, 42]], max_new_tokens=6),
-      dm.Strategy("greedy", max_new_tokens=6),
+      decode.Strategy("greedy", max_new_tokens=6),
       eos_id=EOS,
   )
   want = decode.strip_generated(np.asarray(out.tokens[0]), int(out.lengths[0]), EOS)
@@ -140,6 +139,6 @@ def test_cli_translates_a_file_with_beam_search(tmp_path):
 def test_cli_bad_input_is_a_clear_error(lm_workdir):
   path, _, _ = lm_workdir
   proc = run_cli("--workdir", str(path), "--prompt", "", "--strategy", "greedy")
-  assert proc.returncode == 1 and "prompt 0 is empty" in proc.stderr
+  assert proc.returncode == 2 and "--prompt='' is empty" in proc.stderr  # a usage error
   proc = run_cli("--workdir", str(path), "--prompt", "hi", "--top_p", "1.5")
   assert proc.returncode != 0 and "top_p=1.5 must lie in (0, 1]" in proc.stderr

@@ -15,7 +15,6 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from tx_jax import decode, hf  # noqa: E402
-from tx_jax.decode import models as dm  # noqa: E402
 
 N_NEW = 8
 PROMPTS = [[5, 17, 3, 9, 22], [14], [8, 30, 6]]
@@ -130,11 +129,10 @@ def test_decoder_greedy_equals_transformers_generate(build, eos, tmp_path):
   assert any(len(r) < N_NEW for r in want), "no row stopped at EOS"
 
   _, module, params = hf.from_pretrained(tmp_path)
-  module, params = dm.decoding_module(module.config, params)
+  module, params = decode.decoding_module(module.config, params)
   prompt = decode.make_prompt(PROMPTS, max_new_tokens=N_NEW, max_len=module.config.max_len)
-  got = _ours(
-      dm.generate(module, params, prompt, dm.Strategy("greedy", max_new_tokens=N_NEW), eos_id=eos)
-  )
+  greedy = decode.Strategy("greedy", max_new_tokens=N_NEW)
+  got = _ours(decode.generate(module, params, prompt, greedy, eos_id=eos))
   assert got == want
 
 
@@ -158,14 +156,14 @@ def test_t5_greedy_equals_transformers_generate(tmp_path):
   assert any(len(r) < N_NEW for r in want), "no row stopped at EOS"
 
   _, module, params = hf.from_pretrained(tmp_path)
-  module, params = dm.decoding_module(module.config, params)
+  module, params = decode.decoding_module(module.config, params)
   got = _ours(
-      dm.translate(
+      decode.translate(
           module,
           params,
           ids.astype(np.int32),
           mask.astype(np.int32),
-          dm.Strategy("greedy", max_new_tokens=N_NEW),
+          decode.Strategy("greedy", max_new_tokens=N_NEW),
           eos_id=1,
           decoder_start_id=0,
       )

@@ -17,7 +17,6 @@ import pytest
 from configs import gpt, t5, transformer
 from tx_jax import decode, models
 from tx_jax.decode import chunked_cache
-from tx_jax.decode import models as decode_models
 
 N_NEW = 7
 PROMPTS = [[5, 9, 3, 7, 2], [11], [4, 4, 8]]
@@ -127,7 +126,7 @@ def encdec(name):
 
 # The default chunk (one chunk for N_NEW tokens), a chunk of 2 (the recent buffer is
 # flushed into the long cache three times) and no chunking (the cache written every step).
-CHUNKS = [decode_models.CACHE_CHUNK, 2, 0]
+CHUNKS = [decode.CACHE_CHUNK, 2, 0]
 
 
 @pytest.mark.parametrize("cache_chunk", CHUNKS)
@@ -135,11 +134,11 @@ CHUNKS = [decode_models.CACHE_CHUNK, 2, 0]
 def test_cached_greedy_equals_uncached_argmax_loop(name, cache_chunk):
   module, params, expected = decoder(name)
   prompt = decode.make_prompt(PROMPTS, max_new_tokens=N_NEW, max_len=module.config.max_len)
-  out = decode_models.generate(
+  out = decode.generate(
       module,
       params,
       prompt,
-      decode_models.Strategy("greedy", max_new_tokens=N_NEW),
+      decode.Strategy("greedy", max_new_tokens=N_NEW),
       eos_id=None,
       cache_chunk=cache_chunk,
   )
@@ -156,8 +155,8 @@ def test_chunked_decode_up_to_max_len(name):
   assert chunked_cache.padded_length(3, n, 8) > max_len
   want = reference_decoder(module, params, prompts, n)
   prompt = decode.make_prompt(prompts, max_new_tokens=n, max_len=max_len)
-  out = decode_models.generate(
-      module, params, prompt, decode_models.Strategy("greedy", max_new_tokens=n), eos_id=None,
+  out = decode.generate(
+      module, params, prompt, decode.Strategy("greedy", max_new_tokens=n), eos_id=None,
       cache_chunk=8,
   )
   assert_rows_equal(out, want)
@@ -167,9 +166,9 @@ def test_chunked_sampling_equals_unchunked():
   """Same key, same tokens: chunking changes where K/V are stored, not what is sampled."""
   module, params, _ = decoder("llama-rope-gqa")
   prompt = decode.make_prompt(PROMPTS, max_new_tokens=9)
-  strategy = decode_models.Strategy("sample", max_new_tokens=9, temperature=1.5, top_p=0.9)
+  strategy = decode.Strategy("sample", max_new_tokens=9, temperature=1.5, top_p=0.9)
   runs = [
-      decode_models.generate(
+      decode.generate(
           module, params, prompt, strategy, eos_id=None, rng=jax.random.key(4), cache_chunk=c
       )
       for c in (0, 3)
@@ -181,8 +180,8 @@ def test_bad_cache_chunk_is_refused():
   module, params, _ = decoder("gpt2-learned")
   prompt = decode.make_prompt(PROMPTS, max_new_tokens=3)
   with pytest.raises(ValueError, match="cache_chunk=-1 must be an int >= 0"):
-    decode_models.generate(
-        module, params, prompt, decode_models.Strategy("greedy", max_new_tokens=3), eos_id=None,
+    decode.generate(
+        module, params, prompt, decode.Strategy("greedy", max_new_tokens=3), eos_id=None,
         cache_chunk=-1,
     )
 
@@ -191,11 +190,11 @@ def test_bad_cache_chunk_is_refused():
 def test_recompute_decoding_equals_uncached_argmax_loop(name):
   module, params, expected = decoder(name)
   prompt = decode.make_prompt(PROMPTS, max_new_tokens=N_NEW)
-  out = decode_models.generate(
+  out = decode.generate(
       module,
       params,
       prompt,
-      decode_models.Strategy("greedy", max_new_tokens=N_NEW),
+      decode.Strategy("greedy", max_new_tokens=N_NEW),
       eos_id=None,
       use_cache=False,
   )
@@ -207,8 +206,8 @@ def test_eos_stops_rows():
   eos = expected[0][2]  # row 0 emits it at step 3
   want = reference_decoder(module, params, PROMPTS, N_NEW, eos_id=eos)
   prompt = decode.make_prompt(PROMPTS, max_new_tokens=N_NEW)
-  out = decode_models.generate(
-      module, params, prompt, decode_models.Strategy("greedy", max_new_tokens=N_NEW), eos_id=eos
+  out = decode.generate(
+      module, params, prompt, decode.Strategy("greedy", max_new_tokens=N_NEW), eos_id=eos
   )
   assert_rows_equal(out, want)
   assert int(out.lengths[0]) <= 3
@@ -219,12 +218,12 @@ def test_eos_stops_rows():
 def test_cached_greedy_translate_equals_uncached_argmax_loop(name, cache_chunk):
   module, params, expected = encdec(name)
   tokens, segments = right_pad(SOURCES)
-  out = decode_models.translate(
+  out = decode.translate(
       module,
       params,
       tokens,
       segments,
-      decode_models.Strategy("greedy", max_new_tokens=N_NEW),
+      decode.Strategy("greedy", max_new_tokens=N_NEW),
       eos_id=None,
       decoder_start_id=1,
       cache_chunk=cache_chunk,
@@ -235,16 +234,16 @@ def test_cached_greedy_translate_equals_uncached_argmax_loop(name, cache_chunk):
 def test_beam_1_equals_greedy_on_encdec():
   module, params, expected = encdec("t5-relative")
   tokens, segments = right_pad(SOURCES)
-  out = decode_models.translate(
+  out = decode.translate(
       module,
       params,
       tokens,
       segments,
-      decode_models.Strategy("beam", max_new_tokens=N_NEW, beam_size=1, alpha=0.0),
+      decode.Strategy("beam", max_new_tokens=N_NEW, beam_size=1, alpha=0.0),
       eos_id=None,
       decoder_start_id=1,
   )
-  assert_rows_equal(decode_models.best(out), expected)
+  assert_rows_equal(decode.best(out), expected)
 
 
 def test_beam_scores_match_full_forward():
@@ -252,11 +251,11 @@ def test_beam_scores_match_full_forward():
   module, params, _ = decoder("llama-rope-gqa")
   eos = 3
   prompt = decode.make_prompt(PROMPTS, max_new_tokens=5)
-  out = decode_models.generate(
+  out = decode.generate(
       module,
       params,
       prompt,
-      decode_models.Strategy("beam", max_new_tokens=5, beam_size=3, alpha=0.6),
+      decode.Strategy("beam", max_new_tokens=5, beam_size=3, alpha=0.6),
       eos_id=eos,
   )
   # Re-score every hypothesis with one full forward over right-padded rows.
@@ -278,11 +277,11 @@ def test_beam_scores_match_full_forward():
 def test_sampling_top_k_1_equals_greedy_on_a_real_model():
   module, params, expected = decoder("sinusoidal-mqa")
   prompt = decode.make_prompt(PROMPTS, max_new_tokens=N_NEW)
-  out = decode_models.generate(
+  out = decode.generate(
       module,
       params,
       prompt,
-      decode_models.Strategy("sample", max_new_tokens=N_NEW, top_k=1, temperature=0.5),
+      decode.Strategy("sample", max_new_tokens=N_NEW, top_k=1, temperature=0.5),
       eos_id=None,
       rng=jax.random.key(3),
   )
@@ -293,13 +292,13 @@ def test_model_level_errors():
   module, params, _ = decoder("gpt2-learned")
   prompt = decode.make_prompt([[3] * 30], max_new_tokens=8)
   with pytest.raises(ValueError, match="model.max_len=32"):
-    decode_models.generate(
-        module, params, prompt, decode_models.Strategy("greedy", max_new_tokens=8), eos_id=None
+    decode.generate(
+        module, params, prompt, decode.Strategy("greedy", max_new_tokens=8), eos_id=None
     )
   with pytest.raises(ValueError, match="strategy='topk'"):
-    decode_models.Strategy("topk").validate()
+    decode.Strategy("topk").validate()
   with pytest.raises(ValueError, match=r"top_p=0 must lie in \(0, 1\]"):
-    decode_models.Strategy("sample", top_p=0).validate()
+    decode.Strategy("sample", top_p=0).validate()
 
 
 def test_sharded_decode_equals_single_device():
@@ -309,18 +308,18 @@ def test_sharded_decode_equals_single_device():
   module, params, _ = decoder("gpt2-learned")
   prompts = [PROMPTS[i % 3][: 1 + i % 4] + [i + 2] for i in range(8)]
   prompt = decode.make_prompt(prompts, max_new_tokens=5)
-  strategy = decode_models.Strategy("beam", max_new_tokens=5, beam_size=2)
-  want = decode_models.generate(module, params, prompt, strategy, eos_id=3)
+  strategy = decode.Strategy("beam", max_new_tokens=5, beam_size=2)
+  want = decode.generate(module, params, prompt, strategy, eos_id=3)
   mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
   rows = NamedSharding(mesh, PartitionSpec("data"))
   sharded = decode.Prompt(*(jax.device_put(np.asarray(x), rows) for x in prompt))
   params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
-  got = decode_models.generate(module, params, sharded, strategy, eos_id=3)
+  got = decode.generate(module, params, sharded, strategy, eos_id=3)
   assert len(got.tokens.sharding.device_set) == 8
   np.testing.assert_array_equal(got.tokens, want.tokens)
   np.testing.assert_allclose(got.scores, want.scores, rtol=1e-5)
-  greedy = decode_models.Strategy("greedy", max_new_tokens=5)
-  want = decode_models.generate(module, params, prompt, greedy, eos_id=3, cache_chunk=2)
-  got = decode_models.generate(module, params, sharded, greedy, eos_id=3, cache_chunk=2)
+  greedy = decode.Strategy("greedy", max_new_tokens=5)
+  want = decode.generate(module, params, prompt, greedy, eos_id=3, cache_chunk=2)
+  got = decode.generate(module, params, sharded, greedy, eos_id=3, cache_chunk=2)
   assert len(got.tokens.sharding.device_set) == 8
   np.testing.assert_array_equal(got.tokens, want.tokens)

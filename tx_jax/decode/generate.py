@@ -1,5 +1,9 @@
 """tx_jax models as step functions, and one jitted entry point per model kind.
 
+`tx_jax.decode` re-exports `generate`, `translate` and `Strategy`, so the package
+attribute `tx_jax.decode.generate` is the function; import other names from this
+module with `from tx_jax.decode.generate import ...`.
+
 - decoder-only: `generate(module, params, prompt, strategy, ...)` prefills the
   left-padded prompt into the KV cache, then feeds one token per step;
   `use_cache=False` recomputes the whole (fixed-size) sequence every step instead,

@@ -1,0 +1,174 @@
+"""Runs experiments/* entry points on bad inputs, for tests/test_bad_inputs.py.
+
+  python -m tests.bad_input_runner setup ROOT         # workdirs, HF dirs and files to break
+  python -m tests.bad_input_runner run ROOT < cases   # JSON cases in, JSON results out
+
+`run` imports the heavy libraries once, then forks one child per case that runs
+`python -m experiments.<entry> <args>` in-process (runpy, as `-m` does), so a case costs
+its own work, not ~5 s of imports. The parent never initialises a JAX backend, so the
+children may. Every file under a `checkpoints*` directory of ROOT is hashed before and
+after each case; a result lists the files that changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import sys
+import time
+
+CASE_TIMEOUT_S = 120  # a hung case is killed; the test asserts far less (30 s)
+
+
+def snapshot(root: pathlib.Path) -> dict[str, str]:
+  """sha1 of every file below any checkpoints* directory of root."""
+  out = {}
+  for directory in root.rglob("checkpoints*"):
+    if directory.is_dir():
+      for path in directory.rglob("*"):
+        if path.is_file():
+          out[str(path.relative_to(root))] = hashlib.sha1(path.read_bytes()).hexdigest()
+  return out
+
+
+def _child(case: dict, root: pathlib.Path, log: pathlib.Path) -> None:
+  import runpy  # pylint: disable=g-import-not-at-top
+
+  code = 99
+  try:
+    os.environ.update({k: v.replace("{ROOT}", str(root)) for k, v in case.get("env", {}).items()})
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    args = [a.replace("{ROOT}", str(root)) for a in case["args"]]
+    sys.argv = [f"experiments/{case['entry']}.py", *args]
+    try:
+      runpy.run_module(f"experiments.{case['entry']}", run_name="__main__", alter_sys=True)
+      code = 0
+    except SystemExit as e:
+      code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+  except BaseException:  # noqa: BLE001 -- a traceback escaped the entry point: the test fails
+    import traceback  # pylint: disable=g-import-not-at-top
+
+    traceback.print_exc()
+    code = 98
+  finally:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run(root: pathlib.Path, cases: list[dict]) -> list[dict]:
+  """Each case's exit code, output, seconds and changed checkpoint files."""
+  # The libraries every entry point imports; no backend is initialised here.
+  import grain  # noqa: F401 pylint: disable=g-import-not-at-top,unused-import
+  import jax  # noqa: F401 pylint: disable=g-import-not-at-top,unused-import
+  import orbax.checkpoint  # noqa: F401 pylint: disable=g-import-not-at-top,unused-import
+
+  from tx_jax import cli, hf, validation  # noqa: F401 pylint: disable=g-import-not-at-top
+  from tx_jax.decode import workdir  # noqa: F401 pylint: disable=g-import-not-at-top
+  from tx_jax.train import loop  # noqa: F401 pylint: disable=g-import-not-at-top
+
+  logs = root / "logs"
+  logs.mkdir(exist_ok=True)
+  results = []
+  for case in cases:
+    log = logs / f"{case['id']}.txt"
+    before = snapshot(root)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    start = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+      _child(case, root, log)
+    while True:
+      done, status = os.waitpid(pid, os.WNOHANG)
+      if done:
+        rc = os.waitstatus_to_exitcode(status)
+        break
+      if time.monotonic() - start > CASE_TIMEOUT_S:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        rc = -9
+        break
+      time.sleep(0.02)
+    seconds = time.monotonic() - start
+    after = snapshot(root)
+    changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+    results.append(
+        {"id": case["id"], "rc": rc, "output": log.read_text(errors="replace"),
+         "seconds": seconds, "changed": changed}
+    )  # fmt: skip
+  return results
+
+
+def setup(root: pathlib.Path) -> None:
+  """A trained tiny Transformer workdir, broken copies of it, HF dirs and input files."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+
+  root.mkdir(parents=True, exist_ok=True)
+  run_dir = root / "run"
+  train = [
+      sys.executable, "-m", "experiments.train", "--config=configs/transformer.py:tiny",
+      f"--workdir={run_dir}", "--config.model.d_model=32", "--config.model.num_layers=1",
+      "--config.model.num_decoder_layers=1", "--config.model.num_heads=2",
+      "--config.model.num_kv_heads=2", "--config.model.head_dim=16", "--config.model.mlp_dim=64",
+      "--config.train.steps=2", "--config.checkpoint.every=1", "--config.train.eval_every=0",
+      "--config.train.eval_batches=1", "--config.train.decode_examples=4",
+      "--config.train.print_examples=0", "--config.train.plot=false",
+      "--config.train.progress=log", "--config.schedule.warmup_steps=1",
+      "--config.data.global_batch_size=8", "--config.data.eval_global_batch_size=8",
+  ]  # fmt: skip
+  subprocess.run(train, check=True, capture_output=True, timeout=600)
+
+  shutil.copytree(run_dir / "checkpoints", root / "run_noconfig" / "checkpoints")
+  shutil.copytree(run_dir, root / "run_edited")
+  data_file = root / "run_edited" / "checkpoints" / "2" / "data" / "process_0-of-1.json"
+  state = json.loads(data_file.read_text())
+  state["next_index"] = int(state.get("next_index", 0)) + 5  # valid, at another position
+  data_file.write_text(json.dumps(state))
+
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  from configs import gpt  # pylint: disable=g-import-not-at-top
+  from tx_jax import hf, models  # pylint: disable=g-import-not-at-top
+
+  config = gpt.get_config("tiny")
+  m = config.model
+  m.d_model, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 32, 1, 2, 2, 16, 64
+  m.max_len = 64
+  module = models.build(m)
+  params = module.init(jax.random.PRNGKey(0), jnp.ones((1, 4), jnp.int32), train=False)["params"]
+  hf_dir = root / "hf_gpt2"
+  hf.to_pretrained(config, params, hf_dir)
+  shutil.copytree(hf_dir, root / "hf_truncated")
+  weights = root / "hf_truncated" / "model.safetensors"
+  os.truncate(weights, weights.stat().st_size // 2)
+  shutil.copytree(hf_dir, root / "hf_wide")
+  values = json.loads((root / "hf_wide" / "config.json").read_text())
+  values["n_embd"] = 48  # the weights are 32 wide
+  (root / "hf_wide" / "config.json").write_text(json.dumps(values))
+  (root / "hf_bin").mkdir()
+  (root / "hf_bin" / "config.json").write_text((hf_dir / "config.json").read_text())
+  (root / "hf_bin" / "pytorch_model.bin").write_bytes(b"not unpickled")
+  (root / "hf_badjson").mkdir()
+  (root / "hf_badjson" / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"],')
+  (root / "badjson").mkdir()
+  (root / "badjson" / "config.json").write_text("{bad json")
+  (root / "no_config").mkdir()
+  (root / "empty_data_dir").mkdir()
+  (root / "empty.txt").write_text("")
+  (root / "blank_line.txt").write_text("ein Hund\n\nzwei Katzen\n")
+  (root / "input.txt").write_text("ein Hund\n")
+
+
+if __name__ == "__main__":
+  command, where = sys.argv[1], pathlib.Path(sys.argv[2])
+  if command == "setup":
+    setup(where)
+  else:
+    json.dump(run(where, json.load(sys.stdin)), sys.stdout)

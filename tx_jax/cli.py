@@ -1,0 +1,167 @@
+"""Entry-point plumbing: every bad input becomes one `error: ...` line and an exit code.
+
+An entry point in experiments/ ends with `cli.run(main)` instead of `app.run(main)`:
+
+- exit 0 on success (or whatever int `main` returns);
+- exit 2 for usage and config errors: bad flags, unknown config fields or presets, a
+  ValueError / FileNotFoundError raised while checking the inputs (`USAGE_ERRORS`);
+- exit 1 for failures at run time: a damaged checkpoint, a non-finite loss, anything else.
+
+The line is `error: <message>` on stderr, with no traceback; `--verbose` or
+`TX_JAX_DEBUG=1` prints the traceback as well. Library code keeps raising ordinary
+exceptions whose message names the field, the value and what is accepted; an exception
+may carry an `exit_code` attribute to choose its code explicitly.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import traceback
+from typing import Callable
+
+from absl import app, flags
+
+USAGE = 2
+FAILURE = 1
+
+_VERBOSE = flags.DEFINE_bool(
+    "verbose", False, "On an error, print the traceback too (also: TX_JAX_DEBUG=1)."
+)
+
+
+class UsageError(ValueError):
+  """A bad flag, config value or input file: the command must change (exit 2)."""
+
+  exit_code = USAGE
+
+
+class RunError(RuntimeError):
+  """The inputs were accepted but the run failed (exit 1)."""
+
+  exit_code = FAILURE
+
+
+# Raised while reading flags, configs and input files: the user must change the command.
+USAGE_ERRORS = (
+    app.UsageError,
+    flags.Error,
+    ValueError,
+    FileNotFoundError,
+    NotADirectoryError,
+    IsADirectoryError,
+)
+
+
+def _bad_config_file(error: BaseException) -> bool:
+  """config_flags defers a config file that failed to load to the first `.value` (an OSError)."""
+  return isinstance(error, OSError) and "Failed loading config file" in str(error)
+
+
+def exit_code(error: BaseException) -> int:
+  """2 for usage / config errors, 1 for failures at run time."""
+  code = getattr(error, "exit_code", None)
+  if isinstance(code, int):
+    return code
+  return USAGE if isinstance(error, USAGE_ERRORS) or _bad_config_file(error) else FAILURE
+
+
+def _debug(argv: list[str] | None = None) -> bool:
+  if os.environ.get("TX_JAX_DEBUG", "") not in ("", "0"):
+    return True
+  if flags.FLAGS.is_parsed() and _VERBOSE.value:
+    return True
+  return any(a in ("--verbose", "-verbose", "--verbose=true") for a in (argv or sys.argv))
+
+
+def one_line(error: BaseException) -> str:
+  """The error's message on one line: absl's embedded tracebacks reduced to their last line."""
+  if isinstance(error, AttributeError) and error.args and isinstance(error.args[0], KeyError):
+    error = error.args[0]  # ConfigDict's unknown attribute wraps the KeyError
+  if isinstance(error, KeyError) and len(error.args) == 1 and isinstance(error.args[0], str):
+    text = error.args[0]  # str(KeyError) would quote the message
+  else:
+    text = str(error)
+  if "Traceback (most recent call last)" in text:
+    # config_flags wraps a failing get_config(): keep "flag --config=...:" and the cause.
+    head = text.split("Traceback", 1)[0].strip().rstrip(":")
+    last = [line.strip() for line in text.splitlines() if line.strip()][-1]
+    text = f"{head}: {last}" if head else last
+  if _bad_config_file(error):  # "...; Attempted [...]:; configs/x.py; [Errno 2] No such file..."
+    parts = [p.strip() for p in text.splitlines() if p.strip()]
+    text = f"--config: {parts[-1]}" if parts else text
+  elif isinstance(error, OSError) and error.filename and error.strerror:
+    text = f"{error.filename}: {error.strerror}"
+  text = re.sub(r"\s*\n\s*", "; ", text.strip())
+  if not _is_ours(error) or not text:
+    text = f"{type(error).__name__}: {text}" if text else type(error).__name__
+  return text
+
+
+def _is_ours(error: BaseException) -> bool:
+  """Whether tx_jax (or absl's flag parsing) raised it on purpose, with a message for users."""
+  return (
+      isinstance(error, USAGE_ERRORS)
+      or _bad_config_file(error)
+      or type(error).__module__.startswith("tx_jax")
+  )
+
+
+def report(error: BaseException, argv: list[str] | None = None) -> int:
+  """Prints `error: ...` (and the traceback when debugging) to stderr; returns the exit code."""
+  if _debug(argv):
+    traceback.print_exception(error, file=sys.stderr)
+  line = one_line(error)
+  if not _is_ours(error) and not _debug(argv):  # an unexpected error: probably a bug
+    line += " (unexpected; --verbose or TX_JAX_DEBUG=1 shows the traceback)"
+  print(f"error: {line}", file=sys.stderr, flush=True)
+  return exit_code(error)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with bad flags and configs reported as one line, exit 2."""
+  try:
+    return flags.FLAGS(argv)
+  except Exception as e:  # noqa: BLE001 -- config_flags raises KeyError / ValueError too
+    if _debug(argv):
+      traceback.print_exception(e, file=sys.stderr)
+    print(f"error: {_flag_error(e, argv)} (--helpshort lists the flags)", file=sys.stderr)
+    sys.stderr.flush()
+    sys.exit(USAGE)
+
+
+def _flag_error(error: Exception, argv: list[str]) -> str:
+  """A flag-parsing error on one line, naming the flag (config_flags' KeyError names no flag)."""
+  text = one_line(error).replace("Error whilst parsing config file: ", "")
+  text = re.sub(r"^(KeyError|AttributeError): ", "", text)
+  if isinstance(error, AttributeError) and error.args and isinstance(error.args[0], KeyError):
+    error = error.args[0]
+  if isinstance(error, KeyError) and error.args and isinstance(error.args[0], str):
+    key = str(error.args[0]).splitlines()[0].strip("'\"")
+    flag = next((a.split("=")[0] for a in argv if re.search(rf"\.{re.escape(key)}(\.|=|$)", a)), "")
+    rest = text.split(";", 1)[1].strip() if ";" in text else ""
+    text = f"{flag}: the config has no field {key!r}" + (f"; {rest}" if rest else "")
+  return text
+
+
+def guarded(main: Callable[[list[str]], int | None]) -> Callable[[list[str]], int]:
+  """`main` with every exception turned into one `error:` line and an exit code."""
+
+  def wrapped(argv: list[str]) -> int:
+    try:
+      return main(argv) or 0
+    except KeyboardInterrupt:
+      print("error: interrupted", file=sys.stderr)
+      return 130
+    except SystemExit:
+      raise
+    except BaseException as e:  # noqa: BLE001 -- the whole point: no traceback by default
+      return report(e, argv)
+
+  return wrapped
+
+
+def run(main: Callable[[list[str]], int | None]) -> None:
+  """`app.run(main)` for tx_jax entry points: one `error:` line, exit 2 (usage) or 1 (run time)."""
+  app.run(guarded(main), flags_parser=_parse_flags)
