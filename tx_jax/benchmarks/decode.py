@@ -14,6 +14,7 @@ whole loop, which at 1024 new tokens would take hours on 2 cores.
 
 from __future__ import annotations
 
+import importlib
 import tempfile
 
 from tx_jax.benchmarks import common
@@ -49,7 +50,10 @@ def run(options: Options) -> dict:
 
   from configs import gpt  # pylint: disable=g-import-not-at-top
   from tx_jax import decode, hf, models
-  from tx_jax.decode import chunked_cache, generate as dm
+  from tx_jax.decode import chunked_cache
+
+  # The package exports the function `generate`, which hides the module of that name.
+  dm = importlib.import_module("tx_jax.decode.generate")
 
   news, batches, repeats = ([4], [1], 1) if options.smoke else ([64, 256, 1024], [1, 8], 3)
   config = gpt.get_config("tiny")
