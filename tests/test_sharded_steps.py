@@ -27,6 +27,7 @@ import pytest
 from configs import bert, gpt, t5, transformer
 from tx_jax import checkpoint as checkpoint_lib
 from tx_jax import models, sharding
+from tx_jax.benchmarks import sharding_table
 from tx_jax.train import loop, state as state_lib, steps
 
 MESHES = [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)]
@@ -304,17 +305,10 @@ def test_checkpoint_restores_bitwise_onto_other_meshes_and_one_device(tmp_path):
   ckpt.close()
 
 
-def test_write_equivalence_table():
-  """Writes the mesh x family table when TX_JAX_SHARDING_TABLE names a file (for the report)."""
+@pytest.fixture(scope="module", autouse=True)
+def _equivalence_table_report():
+  """After the module, writes the mesh x family table when TX_JAX_SHARDING_TABLE names a file."""
+  yield
   path = os.environ.get("TX_JAX_SHARDING_TABLE")
-  if not path or not DELTAS:
-    pytest.skip("set TX_JAX_SHARDING_TABLE=<file> to write the table")
-  lines = [
-      "| family | mesh (data,fsdp,tensor) | rel. delta loss | rel. delta params | "
-      "rel. delta updates |",
-      "| --- | --- | --- | --- | --- |",
-  ]
-  for (family, mesh_shape), (loss, params, updates) in sorted(DELTAS.items()):
-    lines.append(f"| {family} | {mesh_shape} | {loss:.1e} | {params:.1e} | {updates:.1e} |")
-  with open(path, "w") as f:
-    f.write("\n".join(lines) + "\n")
+  if path and DELTAS:
+    sharding_table.write(DELTAS, path)

@@ -1,0 +1,108 @@
+"""experiments.benchmark: its helpers against hand-computed values, and every section's keys.
+
+The end-to-end tests run the real command in a subprocess (one real CPU device, as a
+user runs it) at --smoke sizes and check the names scripts rely on (issue "Performance").
+"""
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from tx_jax.benchmarks import common, models, time_to_loss, train
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_bench_flops_per_token_by_hand():
+  """6·N_matmul + 12·L·T·D for the bench config, N counted by hand (tied output included)."""
+  s = common.BENCH
+  matmul = s.num_layers * 12 * s.d_model**2 + s.vocab * s.d_model
+  want = 6 * matmul + 12 * s.num_layers * s.seq_len * s.d_model
+  assert train.flops_per_token(models.jax_config(s)) == want == 147_849_216
+
+
+def test_seconds_to_takes_the_first_eval_at_or_below():
+  points = [{"seconds": 1.0, "loss": 2.5}, {"seconds": 2.0, "loss": 1.9}, {"seconds": 3.0, "loss": 1.7}]
+  assert time_to_loss.seconds_to(points, 1.90) == 2.0
+  assert time_to_loss.seconds_to(points, 1.0) is None
+
+
+def test_interleaved_calls_each_runner_once_per_round_after_a_warmup():
+  calls = []
+  wall, cores = common.interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 3)
+  assert calls == ["a", "b"] + ["a", "b"] * 3
+  assert len(wall["a"]) == len(cores["b"]) == 3
+
+
+def test_minimal_torch_gpt_starts_at_uniform_loss():
+  """At GPT-2's 0.02 init the logits are ~0, so the loss is ~ln(vocab) (an independent fact)."""
+  torch = pytest.importorskip("torch")
+  from tx_jax.benchmarks import torch_gpt
+
+  torch.manual_seed(0)
+  model = torch_gpt.GPT(vocab=97, d_model=32, num_layers=2, num_heads=4, max_len=16)
+  ids = torch.randint(0, 97, (3, 17))
+  loss = torch_gpt.loss_fn(model, ids[:, :-1], ids[:, 1:], torch.ones(3, 16))
+  assert abs(loss.item() - math.log(97)) < 0.05
+
+
+def test_unknown_section_is_an_error_naming_it(tmp_path):
+  from tx_jax.benchmarks import runner
+
+  with pytest.raises(ValueError, match="trian"):
+    runner.run(tmp_path, ["trian"], common.Options(smoke=True))
+  with pytest.raises(ValueError, match="preset"):
+    runner.run(tmp_path, [], common.Options(preset="a100"))
+
+
+def _run_benchmark(out: pathlib.Path, data_dir: pathlib.Path, *args: str) -> dict:
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one real device
+  proc = subprocess.run(
+      [sys.executable, "-m", "experiments.benchmark", "--smoke", "--out", str(out), "--data_dir", str(data_dir), *args],
+      cwd=REPO,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=900,
+  )
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  return json.loads((out / "benchmark.json").read_text())
+
+
+@pytest.mark.slow
+def test_smoke_run_writes_every_section_and_the_names_scripts_rely_on(tmp_path, data_dir):
+  report = _run_benchmark(tmp_path, data_dir)
+  for section in ("train", "small", "time_to_loss", "attention", "decode", "data", "compile"):
+    assert "error" not in report[section], report[section]
+    assert (tmp_path / f"{section}.png").stat().st_size > 0
+  for key in (
+      "tokens_per_sec",
+      "step_tokens_per_sec",
+      "torch_eager_tokens_per_sec",
+      "torch_compile_tokens_per_sec",
+      "mfu",
+      "matmul_peak_flops",
+  ):
+    assert key in report["train"], key
+  assert report["train"]["step_tokens_per_sec"] > 0 and report["train"]["mfu"] > 0
+  rows = report["attention"]["rows"]
+  assert rows and all({"backend", "seq_len", "time_ms", "peak_bytes"} <= set(r) for r in rows)
+  for key in ("tx_jax_seconds", "torch_seconds", "tx_jax_final_loss"):
+    assert key in report["time_to_loss"], key
+  assert report["time_to_loss"]["tx_jax_final_loss"] > 0
+  assert {r["scan_layers"] for r in report["compile"]["rows"]} == {True, False}
+  assert report["machine"]["loadavg"]
+
+
+@pytest.mark.slow
+def test_h200_preset_code_path_runs_on_cpu_at_toy_sizes(tmp_path, data_dir):
+  report = _run_benchmark(tmp_path, data_dir, "--preset", "h200")
+  rows = report["train"]["rows"]
+  assert [r["model"] for r in rows] == ["tiny", "llama-tiny"]
+  assert all(r["dtype"] == "bfloat16" and r["mfu"] > 0 for r in rows), rows
+  assert report["attention"]["dtype"] == "bfloat16" and report["attention"]["rows"]

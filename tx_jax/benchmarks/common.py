@@ -1,0 +1,175 @@
+"""Shared pieces of the benchmark sections: the bench shapes, interleaved timing, peaks.
+
+Every section is `run(options) -> dict` (JSON-ready) plus `plot(result, path)`; the
+numbers are medians over interleaved rounds, because the machines these run on are shared
+and a slow minute should hit every contestant alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import statistics
+import time
+from typing import Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """What every section reads: sizes scale down under `smoke`, up under the h200 preset."""
+
+  smoke: bool = False  # tiny sizes and few repeats: checks the code path, not the speed
+  preset: str = "cpu"  # "cpu" (the issue's CPU comparisons) or "h200" (bf16 GPU presets)
+  data_dir: str = ""  # offline data folder holding tinyshakespeare/input.txt
+  rounds: int = 5  # interleaved timing rounds (median reported)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  """A GPT-2-style LM shape for the train comparisons."""
+
+  num_layers: int
+  d_model: int
+  num_heads: int
+  seq_len: int
+  batch: int
+  vocab: int
+
+  @property
+  def tokens(self) -> int:
+    return self.seq_len * self.batch
+
+
+BENCH = Shape(num_layers=6, d_model=512, num_heads=8, seq_len=256, batch=8, vocab=8192)
+SMALL = Shape(num_layers=4, d_model=128, num_heads=4, seq_len=64, batch=12, vocab=360)
+SMOKE = Shape(num_layers=2, d_model=32, num_heads=2, seq_len=16, batch=2, vocab=360)  # >= the byte ids
+
+
+def machine() -> dict:
+  """How busy the machine was and what it is: the context every number needs."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  info = {
+      "cpu_count": os.cpu_count(),
+      "loadavg": list(os.getloadavg()),
+      "jax": jax.__version__,
+      "backend": jax.default_backend(),
+      "devices": [str(d) for d in jax.devices()],
+      "xla_flags": os.environ.get("XLA_FLAGS", ""),
+  }
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+
+    info["torch"] = torch.__version__
+    info["torch_threads"] = torch.get_num_threads()
+  except ImportError:
+    pass
+  try:
+    with open("/proc/cpuinfo") as f:
+      info["cpu"] = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+  except (OSError, StopIteration):
+    pass
+  return info
+
+
+def interleaved(
+    runners: dict[str, Callable[[], None]], rounds: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+  """(wall seconds, cores busy) per call of each runner, over `rounds` rounds in turn.
+
+  Cores busy = process CPU time / wall time, the thread use of that call. Each runner is
+  called once untimed first (compilation, allocator warm-up).
+  """
+  for fn in runners.values():
+    fn()
+  wall: dict[str, list[float]] = {name: [] for name in runners}
+  cores: dict[str, list[float]] = {name: [] for name in runners}
+  for _ in range(rounds):
+    for name, fn in runners.items():
+      start, cpu_start = time.perf_counter(), time.process_time()
+      fn()
+      elapsed = time.perf_counter() - start
+      wall[name].append(elapsed)
+      cores[name].append((time.process_time() - cpu_start) / max(elapsed, 1e-9))
+  return wall, cores
+
+
+def median(values: list[float]) -> float | None:
+  return statistics.median(values) if values else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+  """a / b, or None when either is missing."""
+  if a is None or b is None or b == 0:
+    return None
+  return a / b
+
+
+def jax_matmul_peak(size: int, repeats: int = 5) -> float:
+  """fp32 FLOP/s of one jitted [size, size] @ [size, size] in XLA (best of `repeats`)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp
+
+  a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
+  matmul = jax.jit(lambda x: x @ x)
+  matmul(a).block_until_ready()
+  best = math.inf
+  for _ in range(repeats):
+    start = time.perf_counter()
+    matmul(a).block_until_ready()
+    best = min(best, time.perf_counter() - start)
+  return 2.0 * size**3 / best
+
+
+def torch_matmul_peak(size: int, repeats: int = 5) -> float:
+  """fp32 FLOP/s of one [size, size] @ [size, size] in PyTorch (best of `repeats`)."""
+  import torch  # pylint: disable=g-import-not-at-top
+
+  a = torch.randn(size, size)
+  a @ a
+  best = math.inf
+  for _ in range(repeats):
+    start = time.perf_counter()
+    a @ a
+    best = min(best, time.perf_counter() - start)
+  return 2.0 * size**3 / best
+
+
+def gemm_times(m: int, k: int, n: int, rounds: int) -> dict:
+  """One [m, k] @ [k, n] fp32 GEMM in XLA and in torch, interleaved: the ceiling of a step."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp
+  import numpy as np
+  import torch
+
+  rng = np.random.default_rng(0)
+  a_np = rng.standard_normal((m, k), np.float32)
+  b_np = rng.standard_normal((k, n), np.float32)
+  a, b = jnp.asarray(a_np), jnp.asarray(b_np)
+  ta, tb = torch.from_numpy(a_np), torch.from_numpy(b_np)
+  matmul = jax.jit(jnp.matmul)
+  times, _ = interleaved(
+      {
+          "jax": lambda: matmul(a, b).block_until_ready(),
+          "torch": lambda: ta @ tb,
+      },
+      rounds,
+  )
+  flops = 2.0 * m * k * n
+  return {
+      "shape": [m, k, n],
+      "jax_flops": flops / median(times["jax"]),
+      "torch_flops": flops / median(times["torch"]),
+      "jax_over_torch": median(times["torch"]) / median(times["jax"]),
+  }
+
+
+def pyplot():
+  """matplotlib.pyplot on the Agg backend (no display here)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  return plt

@@ -1,0 +1,148 @@
+"""Builders shared by the sections: tx_jax configs and jitted steps, PyTorch models and steps."""
+
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+from typing import Callable
+
+import ml_collections
+
+from tx_jax.benchmarks.common import Shape
+
+
+def jax_config(shape: Shape, data_dir: str = "") -> ml_collections.ConfigDict:
+  """configs/gpt.py:tiny reshaped to `shape` (GPT-2 style, fp32, dropout 0, AdamW).
+
+  With data_dir, the data section reads Tiny Shakespeare byte-level, packed (the trainer's
+  input); token ids then stay below 360 whatever the vocabulary, which costs the same.
+  """
+  from configs import gpt, train_defaults  # pylint: disable=g-import-not-at-top
+
+  config = gpt.get_config("tiny")
+  m = config.model
+  m.num_layers, m.d_model, m.num_heads = shape.num_layers, shape.d_model, shape.num_heads
+  m.num_kv_heads, m.head_dim, m.mlp_dim = shape.num_heads, shape.d_model // shape.num_heads, 4 * shape.d_model
+  m.vocab_size, m.max_len = shape.vocab, shape.seq_len
+  m.dropout_rate = m.attention_dropout_rate = 0.0
+  config.data.seq_len, config.data.global_batch_size = shape.seq_len, shape.batch
+  if data_dir:
+    train_defaults.tiny_shakespeare(config, task="lm")
+    config.data.manual_dir = str(pathlib.Path(data_dir) / "tinyshakespeare")
+    config.data.pack = True
+  return config
+
+
+def random_batch(shape: Shape, seed: int = 0) -> dict:
+  """An LM batch of random ids in tx_jax's layout (inputs, targets, weights)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(4, shape.vocab, (shape.batch, shape.seq_len + 1), dtype=np.int32)
+  return {
+      "inputs": ids[:, :-1],
+      "targets": ids[:, 1:],
+      "weights": np.ones((shape.batch, shape.seq_len), np.float32),
+  }
+
+
+def jax_step(config: ml_collections.ConfigDict, batch: dict) -> Callable[[], None]:
+  """The trainer's pure train_step, jitted alone on one device with the state donated.
+
+  Returns a no-argument function that runs one step and waits for it.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from tx_jax import models  # pylint: disable=g-import-not-at-top
+  from tx_jax.train import loop, optimizers, state as state_lib, steps as steps_lib
+
+  module = models.build(config.model)
+  apply_fn = loop.make_apply_fn(module, config.model)
+  tx, schedule = optimizers.build_optimizer(config)
+
+  def init_params(rng):
+    args, kwargs = models.model_inputs(config.model, batch)
+    return module.init({"params": rng}, *args, **kwargs, train=False)["params"]
+
+  holder = {"state": jax.jit(state_lib.make_init_fn(init_params, tx, config.seed))()}
+  step = jax.jit(
+      functools.partial(
+          steps_lib.train_step,
+          apply_fn=apply_fn,
+          tx=tx,
+          schedule=schedule,
+          label_smoothing=config.loss.label_smoothing,
+          z_loss=config.loss.z_loss,
+      ),
+      donate_argnums=0,
+  )
+  device_batch = jax.device_put(batch)
+
+  def run() -> None:
+    holder["state"], metrics = step(holder["state"], device_batch)
+    jax.block_until_ready(metrics)
+
+  return run
+
+
+def set_torch_threads() -> int:
+  """torch's intra-op threads = the cores XLA:CPU uses (its pool spans every core)."""
+  import torch  # pylint: disable=g-import-not-at-top
+
+  torch.set_num_threads(os.cpu_count() or 1)
+  return torch.get_num_threads()
+
+
+def hf_gpt2(shape: Shape):
+  """transformers.GPT2LMHeadModel of `shape`, dropout 0, in train mode."""
+  import transformers  # pylint: disable=g-import-not-at-top
+
+  hf_config = transformers.GPT2Config(
+      vocab_size=shape.vocab,
+      n_positions=shape.seq_len,
+      n_embd=shape.d_model,
+      n_layer=shape.num_layers,
+      n_head=shape.num_heads,
+      activation_function="gelu_new",
+      resid_pdrop=0.0,
+      embd_pdrop=0.0,
+      attn_pdrop=0.0,
+  )
+  return transformers.GPT2LMHeadModel(hf_config).train()
+
+
+def torch_step(model, shape: Shape, loss_of: Callable, compile_model: bool) -> Callable[[], None]:
+  """One AdamW step (clip 1.0, decay 0.1) of `model` on a fixed random batch.
+
+  loss_of(model, ids) -> scalar loss. With compile_model, the model goes through
+  torch.compile (forward and backward; the optimizer stays eager).
+  """
+  import torch  # pylint: disable=g-import-not-at-top
+
+  ids = torch.randint(4, shape.vocab, (shape.batch, shape.seq_len), generator=torch.Generator().manual_seed(0))
+  opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+  forward = torch.compile(model) if compile_model else model
+
+  def run() -> None:
+    loss = loss_of(forward, ids)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+  return run
+
+
+def hf_loss(model, ids):
+  """HF GPT2's own LM loss (labels shifted inside)."""
+  return model(input_ids=ids, labels=ids).loss
+
+
+def minimal_loss(model, ids):
+  """Next-token loss of tx_jax.benchmarks.torch_gpt on ids."""
+  import torch  # pylint: disable=g-import-not-at-top
+
+  from tx_jax.benchmarks import torch_gpt  # pylint: disable=g-import-not-at-top
+
+  return torch_gpt.loss_fn(model, ids[:, :-1], ids[:, 1:], torch.ones_like(ids[:, 1:]))

@@ -1,0 +1,78 @@
+"""Runs the benchmark sections and writes DIR/benchmark.json plus one PNG per section."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import time
+import traceback
+from typing import Callable
+
+from tx_jax.benchmarks import common
+from tx_jax.benchmarks.common import Options
+
+
+def _sections(preset: str) -> dict[str, tuple[Callable, Callable]]:
+  """name -> (run(options) -> dict, plot(result, path)); imported lazily, per preset."""
+  from tx_jax.benchmarks import attention, compile_time, data, decode, time_to_loss, train  # pylint: disable=g-import-not-at-top
+
+  if preset == "h200":
+    from tx_jax.benchmarks import h200  # pylint: disable=g-import-not-at-top
+
+    return {
+        "train": (h200.run_train, h200.plot_train),
+        "attention": (h200.run_attention, attention.plot),
+    }
+  return {
+      "train": (train.run_train, lambda r, p: train.plot(r, p, "train: bench config")),
+      "small": (train.run_small, lambda r, p: train.plot(r, p, "small: 4 layers, d 128")),
+      "time_to_loss": (time_to_loss.run, time_to_loss.plot),
+      "attention": (attention.run, attention.plot),
+      "decode": (decode.run, decode.plot),
+      "data": (data.run, data.plot),
+      "compile": (compile_time.run, compile_time.plot),
+  }
+
+
+SECTIONS = ("train", "small", "time_to_loss", "attention", "decode", "data", "compile")
+PRESETS = ("cpu", "h200")
+
+
+def run(out_dir: str | pathlib.Path, only: list[str], options: Options) -> dict:
+  """Runs `only` (all of the preset's sections when empty); returns benchmark.json's content.
+
+  An existing benchmark.json in out_dir is updated section by section (a rerun of one
+  section keeps the others), and rewritten after each section, so a crash keeps the rest.
+  A section that raises is recorded as {"error": ...} and the others still run.
+  """
+  if options.preset not in PRESETS:
+    raise ValueError(f"--preset={options.preset!r}; accepted: {PRESETS}")
+  sections = _sections(options.preset)
+  unknown = [s for s in only if s not in sections]
+  if unknown:
+    raise ValueError(
+        f"--only {unknown}: not a section of preset {options.preset!r}; accepted: {list(sections)}"
+    )
+  out = pathlib.Path(out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  path = out / "benchmark.json"
+  report = json.loads(path.read_text()) if path.exists() else {}
+  report["machine"] = common.machine()
+  report["options"] = dict(options.__dict__)
+  for name in only or list(sections):
+    run_fn, plot_fn = sections[name]
+    print(f"[benchmark] {name} ... (loadavg {os.getloadavg()[0]:.2f})", flush=True)
+    start, load = time.perf_counter(), os.getloadavg()
+    try:
+      result = run_fn(options)
+      plot_fn(result, out / f"{name}.png")
+    except Exception as e:  # pylint: disable=broad-except  # report it, run the next section
+      traceback.print_exc()
+      result = {"error": f"{type(e).__name__}: {e}"}
+    result["seconds"] = time.perf_counter() - start
+    result["loadavg_before"], result["loadavg_after"] = list(load), list(os.getloadavg())
+    report[name] = result
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"[benchmark] {name} done in {result['seconds']:.0f} s", flush=True)
+  return report

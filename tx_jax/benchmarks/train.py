@@ -1,0 +1,163 @@
+"""`train` and `small`: tx_jax's train step and trainer against PyTorch on the same shape.
+
+In one process, interleaved round by round: tx_jax's jitted `train_step` alone, PyTorch
+(transformers' GPT2LMHeadModel, dropout 0, torch.optim.AdamW) eager and under
+torch.compile, and for `small` also the minimal PyTorch GPT of torch_gpt.py. The real
+trainer (`tx_jax.train.loop.train_and_evaluate`, Tiny Shakespeare through the data
+pipeline) runs right after. MFU = model FLOPs (the dry run's formula) / the fp32 matmul
+peak measured in the same process, for each framework against its own peak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import tempfile
+import time
+
+from tx_jax.benchmarks import common, models
+from tx_jax.benchmarks.common import Options, Shape
+
+CALL_SECONDS = 1.0  # target duration of one timed call of a runner
+PEAK_SIZE = 1024  # square fp32 GEMM whose FLOP/s is "the matmul peak"
+
+
+def flops_per_token(config) -> float:
+  """Training FLOPs per token of config's model, as `--dry_run` prints them."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+
+  from tx_jax import models as tx_models  # pylint: disable=g-import-not-at-top
+  from tx_jax.models import summary
+
+  model_config = tx_models.ModelConfig.from_config(config.model)
+  params = summary.abstract_params(model_config)
+  counts = summary.count_params(model_config, nn.unbox(params))
+  return summary.flops_per_token(model_config, counts, config.data.seq_len)
+
+
+def trainer_tokens_per_sec(config, steps: int, log_every: int) -> list[float]:
+  """tokens/s of each logged window of a real `train_and_evaluate` run (compile excluded)."""
+  from tx_jax.train import loop, metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+
+  config = config.copy_and_resolve_references()
+  t = config.train
+  t.steps, t.log_every, t.eval_every, t.eval_batches = steps, log_every, 0, 1
+  t.plot, t.progress, t.peak_flops = False, "log", 1.0  # our own peak is measured once, below
+  config.checkpoint.every = 0
+  config.schedule.warmup_steps = 0  # short runs; the schedule does not change the cost
+  with tempfile.TemporaryDirectory() as workdir, contextlib.redirect_stdout(io.StringIO()):
+    loop.train_and_evaluate(config, workdir)
+    rows = metrics_lib.read_metrics(workdir)
+  return [r["tokens_per_sec"] for r in rows if "tokens_per_sec" in r]
+
+
+def compare(shape: Shape, options: Options, *, minimal_torch: bool, torch_compile: bool) -> dict:
+  """The interleaved comparison on `shape`; the JSON of the `train` / `small` sections."""
+  import torch  # pylint: disable=g-import-not-at-top
+
+  from tx_jax.benchmarks import torch_gpt  # pylint: disable=g-import-not-at-top
+
+  threads = models.set_torch_threads()
+  torch.manual_seed(0)
+  config = models.jax_config(shape, options.data_dir)
+  jax_step = models.jax_step(config, models.random_batch(shape))
+  jax_step()  # compile
+  start = time.perf_counter()
+  jax_step()
+  # One call of each runner should last ~CALL_SECONDS so timer noise and one-off stalls
+  # stay small against it.
+  calls = max(1, round((0.05 if options.smoke else CALL_SECONDS) / (time.perf_counter() - start)))
+  repeat = lambda fn: lambda: [fn() for _ in range(calls)]  # noqa: E731
+  runners = {"step": repeat(jax_step)}
+  runners["torch_eager"] = repeat(models.torch_step(models.hf_gpt2(shape), shape, models.hf_loss, False))
+  if torch_compile:
+    runners["torch_compile"] = repeat(
+        models.torch_step(models.hf_gpt2(shape), shape, models.hf_loss, True)
+    )
+  if minimal_torch:
+    gpt = torch_gpt.GPT(shape.vocab, shape.d_model, shape.num_layers, shape.num_heads, shape.seq_len)
+    runners["torch_minimal_eager"] = repeat(models.torch_step(gpt, shape, models.minimal_loss, False))
+  wall, cores = common.interleaved(runners, options.rounds)
+  tokens = shape.tokens * calls
+  result: dict = {"shape": shape.__dict__, "torch_threads": threads, "steps_per_call": calls}
+  for name in runners:
+    result[f"{name}_tokens_per_sec"] = tokens / common.median(wall[name])
+    result[f"{name}_ms"] = 1e3 * common.median(wall[name]) / calls
+    result[f"{name}_cores_busy"] = common.median(cores[name])
+    result[f"{name}_all_ms"] = [1e3 * w / calls for w in wall[name]]
+  result.setdefault("torch_compile_tokens_per_sec", None)
+
+  log_every = max(2, calls)
+  windows = trainer_tokens_per_sec(config, 1 + options.rounds * log_every, log_every)
+  result["tokens_per_sec"] = common.median(windows)
+  result["trainer_windows_tokens_per_sec"] = windows
+  result["loop_overhead"] = 1.0 - result["tokens_per_sec"] / result["step_tokens_per_sec"]
+
+  jax_peak, torch_peak = common.jax_matmul_peak(PEAK_SIZE), common.torch_matmul_peak(PEAK_SIZE)
+  flops = flops_per_token(config)
+  result.update(
+      flops_per_token=flops,
+      matmul_peak_flops=jax_peak,
+      torch_matmul_peak_flops=torch_peak,
+      mfu=result["tokens_per_sec"] * flops / jax_peak,
+      step_mfu=result["step_tokens_per_sec"] * flops / jax_peak,
+      torch_eager_mfu=result["torch_eager_tokens_per_sec"] * flops / torch_peak,
+  )
+  if result["torch_compile_tokens_per_sec"] is not None:
+    result["torch_compile_mfu"] = result["torch_compile_tokens_per_sec"] * flops / torch_peak
+  best_torch_eager = max(
+      v for k, v in result.items() if k.startswith("torch_") and k.endswith("eager_tokens_per_sec")
+  )
+  result["ratios"] = {
+      "step_over_torch_compile": common.ratio(
+          result["step_tokens_per_sec"], result["torch_compile_tokens_per_sec"]
+      ),
+      "trainer_over_torch_compile": common.ratio(
+          result["tokens_per_sec"], result["torch_compile_tokens_per_sec"]
+      ),
+      "step_over_torch_eager": common.ratio(
+          result["step_tokens_per_sec"], result["torch_eager_tokens_per_sec"]
+      ),
+      "step_over_fastest_torch_eager": common.ratio(result["step_tokens_per_sec"], best_torch_eager),
+      "trainer_mfu_over_jax_peak": result["mfu"],
+  }
+  # The ceiling: the step's two largest GEMMs alone, XLA vs torch, same threads.
+  rows = shape.tokens
+  result["gemms"] = [
+      common.gemm_times(rows, shape.d_model, 4 * shape.d_model, options.rounds),
+      common.gemm_times(rows, shape.d_model, shape.vocab, options.rounds),
+  ]
+  return result
+
+
+def run_train(options: Options) -> dict:
+  """The `train` section: the bench config (6 layers, d 512, T 256, batch 8, vocab 8192)."""
+  shape = common.SMOKE if options.smoke else common.BENCH
+  return compare(shape, options, minimal_torch=False, torch_compile=not options.smoke)
+
+
+def run_small(options: Options) -> dict:
+  """The `small` section: 4 layers, d 128, 4 heads, T 64, batch 12."""
+  shape = common.SMOKE if options.smoke else common.SMALL
+  return compare(shape, options, minimal_torch=True, torch_compile=not options.smoke)
+
+
+def plot(result: dict, path, title: str) -> None:
+  """Bar chart of tokens/s per contestant, with the per-round spread."""
+  plt = common.pyplot()
+  names = [
+      k[: -len("_tokens_per_sec")]
+      for k, v in result.items()
+      if k.endswith("_tokens_per_sec") and isinstance(v, float) and not k.startswith("pipeline")
+  ]
+  names = ["tokens"] + [n for n in names if n != "tokens"] if "tokens_per_sec" in result else names
+  labels = {"tokens": "tx_jax trainer", "step": "tx_jax jitted step"}
+  values = [result["tokens_per_sec"] if n == "tokens" else result[f"{n}_tokens_per_sec"] for n in names]
+  fig, ax = plt.subplots(figsize=(7, 3.5))
+  ax.barh([labels.get(n, n.replace("_", " ")) for n in names], values)
+  for i, v in enumerate(values):
+    ax.text(v, i, f" {v:,.0f}", va="center")
+  ax.set(xlabel="tokens / s (median)", title=title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
