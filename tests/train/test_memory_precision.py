@@ -79,7 +79,7 @@ def test_scan_over_layers_stacks_params_and_trains(reference):
   # Same function: the scanned model on the unrolled weights, stacked, gives the same logits.
   config = gpt.get_config("tiny")
   small = dict(num_layers=2, d_model=32, num_heads=2, num_kv_heads=2, head_dim=16, mlp_dim=64)
-  batch = _lm_batch(np.random.default_rng(1))
+  batch = lm_batch(np.random.default_rng(1))
   logits = {}
   for scan, params in ((False, unrolled), (True, _stack_layers(unrolled))):
     config.model.update(dict(small, scan_layers=scan))

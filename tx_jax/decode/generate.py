@@ -39,7 +39,7 @@ from tx_jax.models.config import ModelConfig
 
 STRATEGIES = ("greedy", "sample", "beam")
 # Steps between writes into the long KV cache (chunked_cache). Measured on 2 CPU cores
-# (benchmark_decode, tiny GPT): 16-64 decode within a few percent of each other.
+# (the benchmark's decode section, tiny GPT): 16-64 decode within a few percent of each other.
 CACHE_CHUNK = 32
 
 
