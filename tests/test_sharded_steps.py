@@ -30,6 +30,10 @@ from tx_jax import models, sharding
 from tx_jax.benchmarks import sharding_table
 from tx_jax.train import loop, state as state_lib, steps
 
+# Whole-model sharded steps: minutes on 2 cores, so outside the fast tier (tests/test_sharding.py
+# covers sharding.py there).
+pytestmark = pytest.mark.slow
+
 MESHES = [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)]
 BATCH, LEN = 8, 8
 LR = 0.5  # large, so the updated params differ from the init by a measurable amount

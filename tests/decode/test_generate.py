@@ -129,6 +129,7 @@ def encdec(name):
 CHUNKS = [decode.CACHE_CHUNK, 2, 0]
 
 
+@pytest.mark.slow  # every decoder family x chunking; test_kv_cache keeps the mechanics fast
 @pytest.mark.parametrize("cache_chunk", CHUNKS)
 @pytest.mark.parametrize("name", sorted(DECODERS))
 def test_cached_greedy_equals_uncached_argmax_loop(name, cache_chunk):
@@ -213,6 +214,7 @@ def test_eos_stops_rows():
   assert int(out.lengths[0]) <= 3
 
 
+@pytest.mark.slow  # every encdec family x chunking
 @pytest.mark.parametrize("cache_chunk", CHUNKS)
 @pytest.mark.parametrize("name", sorted(ENCDECS))
 def test_cached_greedy_translate_equals_uncached_argmax_loop(name, cache_chunk):
@@ -301,6 +303,7 @@ def test_model_level_errors():
     decode.Strategy("sample", top_p=0).validate()
 
 
+@pytest.mark.slow  # whole-model sharding
 def test_sharded_decode_equals_single_device():
   """Prompts sharded over 8 devices on the batch axis, params replicated: same tokens."""
   from jax.sharding import Mesh, NamedSharding, PartitionSpec

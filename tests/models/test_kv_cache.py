@@ -61,6 +61,7 @@ def _encode(name, src, seg=None):
   return module.apply({"params": params}, src, encoder_segment_ids=seg, method="encode")
 
 
+@pytest.mark.slow  # every family end to end; the fast tier keeps the cache-mechanics tests
 @pytest.mark.parametrize("name", DECODERS + ENCDECS)
 def test_prefill_then_steps_equals_full_forward(name):
   x = tokens(20, (2, 9))
