@@ -10,12 +10,11 @@ one `error: ...` line and exits 2, a failure while training exits 1 (tx_jax.cli)
 from absl import app
 from absl import flags
 from absl import logging
-from ml_collections import config_flags
 
 from tx_jax import cli
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config",
+_CONFIG = cli.define_config_file(
+    name="config",
     default="configs/transformer.py",
     help_string="Config file[:preset].",
     lock_config=True,

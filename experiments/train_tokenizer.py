@@ -16,12 +16,11 @@ GPT-2, bpe like LLaMA-2, unigram like T5, wordpiece like BERT) and writes a toke
 
 from absl import app
 from absl import flags
-from ml_collections import config_flags
 
 from tx_jax import cli
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config",
+_CONFIG = cli.define_config_file(
+    name="config",
     default="configs/transformer.py",
     help_string="Config file[:preset].",
     lock_config=True,

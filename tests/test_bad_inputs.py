@@ -263,3 +263,19 @@ if __name__ == "__main__":
   found = {r["id"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])}
   print(markdown_table(found))
   print("\nseconds: max %.1f" % max(r["seconds"] for r in found.values()))
+
+
+@pytest.mark.parametrize("entry", ["train", "train_tokenizer"])
+def test_typo_with_the_default_config_file_is_one_line(entry, tmp_path):
+  """Without --config the default file is parsed when the flag is defined, at import time."""
+  proc = subprocess.run(
+      [sys.executable, "-m", f"experiments.{entry}", f"--workdir={tmp_path}", "--config.train.stepz=3"]
+      if entry == "train"
+      else [sys.executable, "-m", f"experiments.{entry}", "--config.data.vocab_sizee=3"],
+      cwd=REPO, capture_output=True, text=True, timeout=120,
+      env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )  # fmt: skip
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr[-2000:]
+  assert proc.stderr.startswith("error: --config.") and "Did you mean" in proc.stderr
+  assert not list(tmp_path.iterdir())  # nothing written

@@ -145,6 +145,23 @@ def _flag_error(error: Exception, argv: list[str]) -> str:
   return text
 
 
+def define_config_file(name: str, **kwargs):
+  """`config_flags.DEFINE_config_file` whose flag errors are one line, exit 2, like `run`'s.
+
+  With a default file, config_flags parses the file and the command line's `--config.*`
+  overrides when the flag is defined, at import, before `run` can catch a typo.
+  """
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+
+  try:
+    return config_flags.DEFINE_config_file(name, **kwargs)
+  except (KeyError, AttributeError, ValueError, TypeError, OSError) as e:
+    if _debug(sys.argv):
+      traceback.print_exception(e, file=sys.stderr)
+    print(f"error: {_flag_error(e, sys.argv)} (--helpshort lists the flags)", file=sys.stderr)
+    sys.exit(USAGE)
+
+
 def guarded(main: Callable[[list[str]], int | None]) -> Callable[[list[str]], int]:
   """`main` with every exception turned into one `error:` line and an exit code."""
 
