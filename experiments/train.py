@@ -31,9 +31,9 @@ def main(argv) -> int:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:  # library INFO lines (Orbax) drown the progress
     logging.set_verbosity(logging.WARNING)
-  from tx_jax import sharding  # pylint: disable=g-import-not-at-top
+  from tx_jax import multihost  # pylint: disable=g-import-not-at-top
 
-  sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  multihost.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   config = _CONFIG.value
   from tx_jax import validation  # pylint: disable=g-import-not-at-top
   from tx_jax.train import loop  # pylint: disable=g-import-not-at-top

@@ -13,12 +13,12 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
 from tests.train import runs
-
-pytestmark = pytest.mark.slow
+from tx_jax import multihost
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 STEPS, EVERY = 10, 5
@@ -112,6 +112,7 @@ def _finish(procs, timeout=600) -> list[str]:
   return outs
 
 
+@pytest.mark.slow
 def test_two_processes_train_checkpoint_die_resume_and_match_one_process(tmp_path):
   corpus = runs.write_corpus(tmp_path / "corpus.txt")
   single = tmp_path / "single"
@@ -155,3 +156,19 @@ def test_two_processes_train_checkpoint_die_resume_and_match_one_process(tmp_pat
         f"killed after step {killed_at}, resumed from {EVERY}\n" + table + "\n"
     )
   np.testing.assert_allclose([got[s] for s in expected], [expected[s] for s in expected], rtol=1e-6)
+
+
+def test_initialize_distributed_is_a_no_op_without_a_cluster(monkeypatch):
+  for var in ("SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri", "KUBERNETES_SERVICE_HOST"):
+    monkeypatch.delenv(var, raising=False)
+  assert multihost.initialize_distributed() is False
+  with pytest.raises(
+      ValueError, match=r"--process_id=2: expected 0 <= process_id < --num_processes=2"
+  ):
+    multihost.initialize_distributed("127.0.0.1:1234", 2, 2)
+
+
+def test_lockstep_compile_is_the_jitted_function_itself_with_one_process():
+  jitted = jax.jit(lambda x: x + 1)
+  assert multihost.compile_in_lockstep(jitted, "step") is jitted
+  multihost.barrier("no peers")  # returns at once

@@ -408,13 +408,3 @@ def test_describe_shardings_lists_specs_and_per_device_bytes(tiny):
   assert "(8, 2, 4)" in query
   total = sharding.total_bytes(boxed)
   assert f"param bytes: {total:,} total" in text and "optimizer state bytes:" in text
-
-
-def test_initialize_distributed_is_a_no_op_without_a_cluster(monkeypatch):
-  for var in ("SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri", "KUBERNETES_SERVICE_HOST"):
-    monkeypatch.delenv(var, raising=False)
-  assert sharding.initialize_distributed() is False
-  with pytest.raises(
-      ValueError, match=r"--process_id=2: expected 0 <= process_id < --num_processes=2"
-  ):
-    sharding.initialize_distributed("127.0.0.1:1234", 2, 2)

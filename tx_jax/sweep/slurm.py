@@ -1,7 +1,7 @@
 """`--launcher slurm`: the same runs as one SLURM job array, through submitit.
 
 Each array task runs the run's trainer command as a subprocess on every node of its
-allocation (one task per node). The trainer's `sharding.initialize_distributed()` finds
+allocation (one task per node). The trainer's `multihost.initialize_distributed()` finds
 SLURM's environment (SLURM_PROCID, SLURM_NTASKS, the node list) and starts
 `jax.distributed`, so a run with several nodes trains multi-host without extra flags.
 Before the time limit or on preemption submitit signals the job: the trainer gets SIGTERM,

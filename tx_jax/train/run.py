@@ -19,6 +19,7 @@ from tx_jax import checkpoint as checkpoint_lib
 from tx_jax import data
 from tx_jax import evaluation
 from tx_jax import models
+from tx_jax import multihost
 from tx_jax import sharding
 from tx_jax.models import summary as model_summary
 from tx_jax.train import metrics as metrics_lib, optimizers
@@ -122,7 +123,10 @@ def _jit_steps(config, module, tx, schedule, shardings, mesh, rules):
       in_shardings=(shardings.params, batch_sharding),
       out_shardings=replicated,
   )
-  return train_step, eval_step
+  return (
+      multihost.compile_in_lockstep(train_step, "train_step"),
+      multihost.compile_in_lockstep(eval_step, "eval_step"),
+  )
 
 
 def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> TrainRun:
