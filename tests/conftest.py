@@ -31,6 +31,12 @@ import shutil  # noqa: E402
 
 import pytest  # noqa: E402
 
+from tx_jax import host_memory  # noqa: E402
+
+# As every tx_jax command does, before any test can start JAX: XLA:CPU's per-execution
+# buffers are then reused instead of page-faulted in again on every call.
+host_memory.reuse_freed_memory()
+
 
 def shared_data_dir() -> pathlib.Path | None:
   """The offline data folder: $TX_JAX_DATA_DIR, else ../shared/data beside the repo."""

@@ -23,6 +23,8 @@ from typing import Callable
 
 from absl import app, flags
 
+from tx_jax import host_memory
+
 USAGE = 2
 FAILURE = 1
 
@@ -180,5 +182,10 @@ def guarded(main: Callable[[list[str]], int | None]) -> Callable[[list[str]], in
 
 
 def run(main: Callable[[list[str]], int | None]) -> None:
-  """`app.run(main)` for tx_jax entry points: one `error:` line, exit 2 (usage) or 1 (run time)."""
+  """`app.run(main)` for tx_jax entry points: one `error:` line, exit 2 (usage) or 1 (run time).
+
+  First, before anything can start JAX, freed host memory is kept for reuse
+  (tx_jax.host_memory: XLA:CPU's per-step buffers otherwise cost a page fault per 4 KiB).
+  """
+  host_memory.reuse_freed_memory()
   app.run(guarded(main), flags_parser=_parse_flags)

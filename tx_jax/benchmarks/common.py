@@ -73,16 +73,21 @@ def machine() -> dict:
   return info
 
 
+WARMUP_ROUNDS = 3
+
+
 def interleaved(
     runners: dict[str, Callable[[], None]], rounds: int
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
   """(wall seconds, cores busy) per call of each runner, over `rounds` rounds in turn.
 
-  Cores busy = process CPU time / wall time, the thread use of that call. Each runner is
-  called once untimed first (compilation, allocator warm-up).
+  Cores busy = process CPU time / wall time, the thread use of that call. WARMUP_ROUNDS
+  untimed rounds come first: compilation, then the allocator, whose heap grows for a few
+  calls until every contestant's pattern of large blocks fits (tx_jax.host_memory).
   """
-  for fn in runners.values():
-    fn()
+  for _ in range(WARMUP_ROUNDS):
+    for fn in runners.values():
+      fn()
   wall: dict[str, list[float]] = {name: [] for name in runners}
   cores: dict[str, list[float]] = {name: [] for name in runners}
   for _ in range(rounds):

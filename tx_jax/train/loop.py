@@ -18,6 +18,7 @@ import ml_collections
 import numpy as np
 
 from tx_jax import evaluation
+from tx_jax import host_memory
 from tx_jax import models
 from tx_jax import sharding
 from tx_jax import validation
@@ -111,6 +112,7 @@ def train_and_evaluate(
   and curves.png. Stops early, after saving, on SIGTERM / SIGINT (summary["preempted"]).
   """
   wall_start = time.time()
+  host_memory.reuse_freed_memory()  # before validation starts JAX (a no-op if it already has)
   validate(config)
   sharding.validate(config, jax.device_count(), jax.process_count())
   run = run_lib.setup(config, pathlib.Path(workdir))
