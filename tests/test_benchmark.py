@@ -32,10 +32,10 @@ def test_seconds_to_takes_the_first_eval_at_or_below():
   assert time_to_loss.seconds_to(points, 1.0) is None
 
 
-def test_interleaved_calls_each_runner_once_per_round_after_a_warmup():
+def test_interleaved_calls_each_runner_once_per_round_after_warmup_rounds():
   calls = []
   wall, cores = common.interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 3)
-  assert calls == ["a", "b"] + ["a", "b"] * 3
+  assert calls == ["a", "b"] * (common.WARMUP_ROUNDS + 3)
   assert len(wall["a"]) == len(cores["b"]) == 3
 
 
