@@ -6,8 +6,8 @@ the benchmark's GPT) from a runtime worker thread, and frees it when the step en
 serves a block that large with a fresh `mmap` (a worker thread's own arena cannot hold it),
 so the kernel zero-fills every page again on every step: 35,600 page faults and 0.65 of 2
 cores spent in the kernel per 130 ms step. With one malloc arena, no `mmap` for large blocks
-and up to 2 GiB of freed memory kept at the top of the heap, the block is reused and the
-same step takes 80 ms (docs/performance.md).
+and no trimming of the heap top, the block is reused and the same step takes 80 ms
+(docs/performance.md; a 2 GiB trim threshold was not enough for the 1.1 GiB block).
 
 `reuse_freed_memory()` applies those three glibc settings with `mallopt`. It must run before
 JAX starts its CPU backend (the worker threads pick their arena on their first malloc), so
@@ -22,8 +22,8 @@ nothing when:
 - `TX_JAX_HOST_MALLOC=system` is set (the opt-out);
 - a JAX backend is already running (too late to help; the returned reason says so).
 
-The cost: memory freed at the top of the heap is kept (up to 2 GiB) instead of returned to
-the system, as a caching allocator would.
+The cost: the process keeps its peak heap instead of returning freed memory to the system,
+as a caching allocator would.
 """
 
 from __future__ import annotations
