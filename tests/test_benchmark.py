@@ -10,6 +10,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -37,6 +38,16 @@ def test_interleaved_calls_each_runner_once_per_round_after_warmup_rounds():
   wall, cores = common.interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 3)
   assert calls == ["a", "b"] * (common.WARMUP_ROUNDS + 3)
   assert len(wall["a"]) == len(cores["b"]) == 3
+
+
+def test_rounds_record_each_call_and_the_calling_threads_cpu():
+  timer = common.Rounds({"spin": lambda: sum(range(200_000)), "sleep": lambda: time.sleep(0.05)})
+  timer.round()
+  timer.round()
+  assert len(timer.wall["spin"]) == len(timer.thread_cpu["sleep"]) == 2
+  assert all(w >= 0.05 for w in timer.wall["sleep"])
+  assert max(timer.thread_cpu["sleep"]) < 0.02 < min(timer.wall["sleep"])  # asleep, not busy
+  assert min(timer.thread_cpu["spin"]) > 0
 
 
 def test_minimal_torch_gpt_starts_at_uniform_loss():
@@ -90,6 +101,8 @@ def test_smoke_run_writes_every_section_and_the_names_scripts_rely_on(tmp_path, 
   ):
     assert key in report["train"], key
   assert report["train"]["step_tokens_per_sec"] > 0 and report["train"]["mfu"] > 0
+  for key in ("loop_overhead", "loop_overhead_paired", "trainer_thread_cpu_ms_per_step"):
+    assert isinstance(report["train"][key], float), key
   rows = report["attention"]["rows"]
   assert rows and all({"backend", "seq_len", "time_ms", "peak_bytes"} <= set(r) for r in rows)
   for key in ("tx_jax_seconds", "torch_seconds", "tx_jax_final_loss"):

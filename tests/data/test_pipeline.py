@@ -242,3 +242,32 @@ def test_span_corruption_pipeline_reconstructs(text_file):
         cur.append(t)
     text = tok.decode([x for t in enc[:-1] for x in (spans[t] if t in sentinels else [t])])
     assert any(text in doc for doc in DOCS)
+
+
+def test_pad_batch_pads_rows_and_marks_real_tokens():
+  from tx_jax.data import pipeline
+
+  examples = [
+      {"inputs": np.array([5, 6, 7], np.int32), "label": 1},
+      {"inputs": np.array([8], np.int32), "label": 0},
+  ]
+  out = pipeline.pad_batch(examples, {"inputs": 4})
+  np.testing.assert_array_equal(out["inputs"], [[5, 6, 7, 0], [8, 0, 0, 0]])
+  np.testing.assert_array_equal(out["segment_ids"], [[1, 1, 1, 0], [1, 0, 0, 0]])
+  np.testing.assert_array_equal(out["positions"], [[0, 1, 2, 0], [0, 0, 0, 0]])
+  np.testing.assert_array_equal(out["label"], [1, 0])
+  assert out["inputs"].dtype == out["segment_ids"].dtype == np.int32
+  row = pipeline.pad_example(examples[1], {"inputs": 4})
+  np.testing.assert_array_equal(row["inputs"], [8, 0, 0, 0])
+  assert row["label"] == 0
+
+
+def test_unpacked_lm_batches_hold_each_chunk_once_with_its_padding_masked(text_file):
+  config = _lm_config(text_file, pack=False, lm_shuffle_window=1)
+  batch = next(data.build_train_iterator(config))
+  assert set(batch) == {"inputs", "targets", "weights", "segment_ids", "positions"}
+  assert batch["inputs"].shape == (4, 32)
+  real = batch["weights"] > 0
+  np.testing.assert_array_equal(batch["segment_ids"] > 0, real)
+  np.testing.assert_array_equal(batch["inputs"][~real], 0)
+  np.testing.assert_array_equal(batch["positions"][real], np.nonzero(real)[1])

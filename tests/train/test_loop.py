@@ -3,14 +3,15 @@
 import json
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
 from configs import gpt
 from tests.train import runs
-from tx_jax import data
 from tx_jax.train import loop
+from tx_jax.train import run as run_lib
 
 pytestmark = pytest.mark.slow
 
@@ -48,23 +49,23 @@ def _config(corpus, **overrides):
 @pytest.fixture
 def poison_step_5(monkeypatch):
   """Makes the 5th global batch's weights NaN, as a corrupt record would."""
-  real = data.make_global_batch
+  real = run_lib._to_global  # pylint: disable=protected-access  # every batch passes here
   calls = {"n": 0}
 
-  def poisoned(batch, mesh, axes):
+  def poisoned(batch, mesh):
     if "targets" in batch and batch["targets"].ndim == 2 and batch is not None:
       calls["n"] += 1
       if calls["n"] == 5:
         batch = dict(batch, weights=np.full_like(batch["weights"], np.nan))
-    return real(batch, mesh, axes)
+    return real(batch, mesh)
 
-  monkeypatch.setattr(data, "make_global_batch", poisoned)
+  monkeypatch.setattr(run_lib, "_to_global", poisoned)
   return calls
 
 
 def test_nan_batch_is_skipped_and_outputs_are_written(tmp_path, poison_step_5):
   corpus = runs.write_corpus(tmp_path / "corpus.txt")
-  # Eval batches go through make_global_batch too: evaluate only at the end.
+  # Eval batches go through _to_global too: evaluate only at the end.
   result = loop.train_and_evaluate(_config(corpus, **{"train.eval_every": 0}), tmp_path / "w")
   assert result["step"] == 8 and result["skipped_updates"] == 1
   rows = [json.loads(l) for l in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
@@ -108,3 +109,29 @@ def test_locked_config_typo_names_the_key():
   )
   assert out.returncode != 0
   assert "trian" in out.stderr
+
+
+def test_after_log_runs_after_each_logged_step_outside_the_throughput_clock(tmp_path):
+  """The hook sees its step's line already written, and its time is not training time."""
+  corpus = runs.write_corpus(tmp_path / "corpus.txt")
+  config = _config(
+      corpus, **{"train.log_every": 2, "train.eval_every": 0, "checkpoint.every": 0}
+  )
+  metrics_path = tmp_path / "w" / "metrics.jsonl"
+  seen = []
+  hook_seconds = 1.0
+
+  def after_log(step):
+    logged = [json.loads(l)["step"] for l in metrics_path.read_text().splitlines()]
+    seen.append((step, logged[-1]))
+    time.sleep(hook_seconds)
+
+  loop.train_and_evaluate(config, tmp_path / "w", after_log=after_log)
+  assert seen == [(2, 2), (4, 4), (6, 6), (8, 8)]
+  rows = [json.loads(l) for l in metrics_path.read_text().splitlines()]
+  window_tokens = 2 * 8 * 16  # log_every steps of 8 rows x 16 tokens
+  # Were the sleep counted, each window after the first would read < tokens / 1 s.
+  windows = [r for r in rows if r["step"] in (4, 6, 8) and "tokens_per_sec" in r]
+  assert len(windows) == 3
+  for row in windows:
+    assert row["tokens_per_sec"] > 2 * window_tokens / hook_seconds, row

@@ -76,28 +76,46 @@ def machine() -> dict:
 WARMUP_ROUNDS = 3
 
 
+class Rounds:
+  """Calls every runner once per `round()`, in turn, and records each call.
+
+  Per call: wall seconds, cores busy (process CPU time / wall time, the thread use of that
+  call) and the calling thread's own CPU seconds (the host work that a jitted call leaves
+  on it: dispatch, Python). `warm()` runs WARMUP_ROUNDS untimed rounds first: compilation,
+  then the allocator, whose heap grows for a few calls until every contestant's pattern of
+  large blocks fits (tx_jax.host_memory).
+  """
+
+  def __init__(self, runners: dict[str, Callable[[], None]]):
+    self.runners = runners
+    self.wall: dict[str, list[float]] = {name: [] for name in runners}
+    self.cores: dict[str, list[float]] = {name: [] for name in runners}
+    self.thread_cpu: dict[str, list[float]] = {name: [] for name in runners}
+
+  def warm(self) -> None:
+    for _ in range(WARMUP_ROUNDS):
+      for fn in self.runners.values():
+        fn()
+
+  def round(self) -> None:
+    for name, fn in self.runners.items():
+      start, cpu_start, thread_start = time.perf_counter(), time.process_time(), time.thread_time()
+      fn()
+      elapsed = time.perf_counter() - start
+      self.thread_cpu[name].append(time.thread_time() - thread_start)
+      self.wall[name].append(elapsed)
+      self.cores[name].append((time.process_time() - cpu_start) / max(elapsed, 1e-9))
+
+
 def interleaved(
     runners: dict[str, Callable[[], None]], rounds: int
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-  """(wall seconds, cores busy) per call of each runner, over `rounds` rounds in turn.
-
-  Cores busy = process CPU time / wall time, the thread use of that call. WARMUP_ROUNDS
-  untimed rounds come first: compilation, then the allocator, whose heap grows for a few
-  calls until every contestant's pattern of large blocks fits (tx_jax.host_memory).
-  """
-  for _ in range(WARMUP_ROUNDS):
-    for fn in runners.values():
-      fn()
-  wall: dict[str, list[float]] = {name: [] for name in runners}
-  cores: dict[str, list[float]] = {name: [] for name in runners}
+  """(wall seconds, cores busy) per call of each runner, over `rounds` rounds after warm-up."""
+  timer = Rounds(runners)
+  timer.warm()
   for _ in range(rounds):
-    for name, fn in runners.items():
-      start, cpu_start = time.perf_counter(), time.process_time()
-      fn()
-      elapsed = time.perf_counter() - start
-      wall[name].append(elapsed)
-      cores[name].append((time.process_time() - cpu_start) / max(elapsed, 1e-9))
-  return wall, cores
+    timer.round()
+  return timer.wall, timer.cores
 
 
 def median(values: list[float]) -> float | None:

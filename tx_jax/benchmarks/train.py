@@ -35,8 +35,14 @@ def flops_per_token(config) -> float:
   return summary.flops_per_token(model_config, counts, config.data.seq_len)
 
 
-def trainer_tokens_per_sec(config, steps: int, log_every: int) -> list[float]:
-  """tokens/s of each logged window of a real `train_and_evaluate` run (compile excluded)."""
+def trainer_windows(config, steps: int, log_every: int, after_log) -> list[dict]:
+  """The logged windows of a real `train_and_evaluate` run (compile excluded).
+
+  `after_log(step)` runs after each window with the device idle and the clock paused
+  (loop.train_and_evaluate). Each window also gets the main thread's CPU seconds per step,
+  up to the start of its after_log call: the loop's own host work (data, transfer,
+  dispatch, metrics) shares the cores with XLA's threads.
+  """
   from tx_jax.train import loop, metrics as metrics_lib  # pylint: disable=g-import-not-at-top
 
   config = config.copy_and_resolve_references()
@@ -45,22 +51,44 @@ def trainer_tokens_per_sec(config, steps: int, log_every: int) -> list[float]:
   t.plot, t.progress, t.peak_flops = False, "log", 1.0  # our own peak is measured once, below
   config.checkpoint.every = 0
   config.schedule.warmup_steps = 0  # short runs; the schedule does not change the cost
+  thread_cpu: list[float] = []
+  clock = {"since": time.thread_time()}
+
+  def hook(step: int) -> None:
+    thread_cpu.append(time.thread_time() - clock["since"])
+    after_log(step)
+    clock["since"] = time.thread_time()
+
   with tempfile.TemporaryDirectory() as workdir, contextlib.redirect_stdout(io.StringIO()):
-    loop.train_and_evaluate(config, workdir)
-    rows = metrics_lib.read_metrics(workdir)
-  return [r["tokens_per_sec"] for r in rows if "tokens_per_sec" in r]
+    loop.train_and_evaluate(config, workdir, after_log=hook)
+    rows = [r for r in metrics_lib.read_metrics(workdir) if "tokens_per_sec" in r]
+  # The first window starts at step 2 (step 1 compiles), the others span log_every steps.
+  # The first window's CPU also holds setup and compilation: a warm-up window, never timed.
+  per_window = [log_every - 1] + [log_every] * (len(rows) - 1)
+  return [
+      {"tokens_per_sec": r["tokens_per_sec"], "thread_cpu_ms_per_step": 1e3 * cpu / n}
+      for r, cpu, n in zip(rows, thread_cpu, per_window)
+  ]
 
 
 def compare(shape: Shape, options: Options, *, minimal_torch: bool, torch_compile: bool) -> dict:
-  """The interleaved comparison on `shape`; the JSON of the `train` / `small` sections."""
+  """The interleaved comparison on `shape`; the JSON of the `train` / `small` sections.
+
+  The trainer drives the rounds: after each of its log windows, every other contestant
+  runs once (`after_log`), so the trainer and the bare step see the same minute of this
+  shared machine and `loop_overhead` compares like with like.
+  """
   import torch  # pylint: disable=g-import-not-at-top
 
+  from tx_jax import data  # pylint: disable=g-import-not-at-top
   from tx_jax.benchmarks import torch_gpt  # pylint: disable=g-import-not-at-top
 
   threads = models.set_torch_threads()
   torch.manual_seed(0)
   config = models.jax_config(shape, options.data_dir)
-  jax_step = models.jax_step(config, models.random_batch(shape))
+  # The bare step runs on a batch of the trainer's own pipeline: the same keys (segment
+  # ids, positions) give the same computation, so the loop's cost is all that differs.
+  jax_step = models.jax_step(config, next(data.build_train_iterator(config)))
   jax_step()  # compile
   start = time.perf_counter()
   jax_step()
@@ -83,7 +111,15 @@ def compare(shape: Shape, options: Options, *, minimal_torch: bool, torch_compil
   if minimal_torch:
     gpt = torch_gpt.GPT(shape.vocab, shape.d_model, shape.num_layers, shape.num_heads, shape.seq_len)
     runners["torch_minimal_eager"] = repeat(models.torch_step(gpt, shape, models.minimal_loss, False))
-  wall, cores = common.interleaved(runners, options.rounds)
+  timer = common.Rounds(runners)
+  timer.warm()
+  # The trainer's first windows grow the heap for its own executables (tx_jax.host_memory):
+  # they and the rounds after them are recorded but left out of the medians.
+  warmup = 0 if options.smoke else common.WARMUP_ROUNDS
+  log_every = max(2, calls)
+  windows = trainer_windows(config, (warmup + options.rounds) * log_every, log_every, lambda _: timer.round())
+  wall = {name: w[warmup:] for name, w in timer.wall.items()}
+  cores = {name: c[warmup:] for name, c in timer.cores.items()}
   tokens = shape.tokens * calls
   result: dict = {"shape": shape.__dict__, "torch_threads": threads, "steps_per_call": calls}
   for name in runners:
@@ -92,18 +128,20 @@ def compare(shape: Shape, options: Options, *, minimal_torch: bool, torch_compil
     result[f"{name}_cores_busy"] = common.median(cores[name])
     result[f"{name}_all_ms"] = [1e3 * w / calls for w in wall[name]]
   result.setdefault("torch_compile_tokens_per_sec", None)
+  result["step_thread_cpu_ms_per_step"] = 1e3 * common.median(timer.thread_cpu["step"][warmup:]) / calls
 
-  # The trainer gets the same warm-up as the bare step (common.interleaved): its first
-  # windows grow the heap for its own executables (tx_jax.host_memory), so they are
-  # recorded but not in the median.
-  log_every = max(2, calls)
-  warmup = 0 if options.smoke else common.WARMUP_ROUNDS
-  windows = trainer_tokens_per_sec(config, 1 + (warmup + options.rounds) * log_every, log_every)
-  result["trainer_warmup_windows_tokens_per_sec"] = windows[:warmup]
+  result["trainer_warmup_windows_tokens_per_sec"] = [w["tokens_per_sec"] for w in windows[:warmup]]
   windows = windows[warmup:]
-  result["tokens_per_sec"] = common.median(windows)
-  result["trainer_windows_tokens_per_sec"] = windows
+  result["tokens_per_sec"] = common.median([w["tokens_per_sec"] for w in windows])
+  result["trainer_windows_tokens_per_sec"] = [w["tokens_per_sec"] for w in windows]
+  result["trainer_thread_cpu_ms_per_step"] = common.median(
+      [w["thread_cpu_ms_per_step"] for w in windows]
+  )
   result["loop_overhead"] = 1.0 - result["tokens_per_sec"] / result["step_tokens_per_sec"]
+  # Paired by round (window i, then the bare step's round i): drift cancels within a pair.
+  result["loop_overhead_paired"] = common.median(
+      [1.0 - (w["tokens_per_sec"] * wall_s / tokens) for w, wall_s in zip(windows, wall["step"])]
+  )
 
   jax_peak, torch_peak = common.jax_matmul_peak(PEAK_SIZE), common.torch_matmul_peak(PEAK_SIZE)
   flops = flops_per_token(config)

@@ -3,6 +3,7 @@
 from tx_jax.data.pipeline import (
     build_eval_batches,
     build_train_iterator,
+    check_global_rows,
     eval_examples,
     make_global_batch,
     validate,
@@ -22,6 +23,7 @@ __all__ = [
     "build_source",
     "build_tokenizer",
     "build_train_iterator",
+    "check_global_rows",
     "eval_examples",
     "make_global_batch",
     "train_sentencepiece",

@@ -9,7 +9,7 @@ import pathlib
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
@@ -104,12 +104,21 @@ def save_trained_state(run: run_lib.TrainRun, step: int) -> None:
 
 
 def train_and_evaluate(
-    config: ml_collections.ConfigDict, workdir: str | pathlib.Path
+    config: ml_collections.ConfigDict,
+    workdir: str | pathlib.Path,
+    *,
+    after_log: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
   """Trains `config` in `workdir` (resuming from its checkpoints) and returns a summary.
 
   Writes config.json, metrics.jsonl, TensorBoard events under tensorboard/, checkpoints/
   and curves.png. Stops early, after saving, on SIGTERM / SIGINT (summary["preempted"]).
+
+  `after_log(step)` runs after each training log line, once that step has finished and
+  with the throughput clock paused: whatever it runs (the benchmark times other
+  contestants there, round by round) neither shares the device with a training step nor
+  counts in tokens_per_sec. The step after it starts from an idle device, which is
+  counted.
   """
   wall_start = time.time()
   host_memory.reuse_freed_memory()  # before validation starts JAX (a no-op if it already has)
@@ -138,8 +147,12 @@ def train_and_evaluate(
         preempted = stop.is_set()
         evaluate = is_due(step, eval_every, total) and not preempted
         save = is_due(step, save_every, total) or preempted
-        if evaluate or save:
+        hook = after_log is not None and is_due(step, config.train.log_every, total)
+        if evaluate or save or hook:
           window.flush()
+        if hook:
+          with window.paused():
+            after_log(step)
         eval_metrics = None
         try:
           if evaluate:

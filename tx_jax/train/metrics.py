@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tx_jax.train import steps as steps_lib
+
 TOKEN_KEYS = ("inputs", "encoder_inputs", "decoder_inputs")
 
 
@@ -119,13 +121,19 @@ def plot_curves(workdir: str | pathlib.Path) -> pathlib.Path:
 
 
 class MetricsWindow:
-  """Training metrics fetched one step late and summed over the steps since the last log line.
+  """Training metrics pulled to the host in arrears, summed over the steps since the last log.
 
-  `push` hands over the step just dispatched and pulls the previous one to the host, so the
-  host never waits for the device; `flush` pulls the pending step (before an eval or a save).
+  `push` hands over the step just dispatched (its metrics packed by steps.pack_metrics).
+  Pulls wait only for the step before the newest, so the device always has a step queued,
+  and they come at most every PULL_SECONDS: with ~30 ms steps the loop's thread then
+  sleeps and wakes once per few steps, not every step, and on 2 cores each wake-up costs
+  XLA's threads ~0.7 ms of CPU (docs/performance.md). With steps longer than that every
+  step is pulled, one step late. `flush` pulls everything (before an eval or a save).
   """
 
   SUMMED = ("loss_sum", "correct_sum", "weight_sum")
+  PULL_SECONDS = 0.1
+  MAX_PENDING = 16  # the most steps the host dispatches ahead of what it has pulled
 
   def __init__(
       self,
@@ -140,7 +148,8 @@ class MetricsWindow:
     self.log_every, self.total = log_every, total
     self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
     self._report, self._on_nonfinite = report, on_nonfinite
-    self._pending = None  # (step, device metrics, tokens) of the last dispatched step
+    self._pending: list[tuple[int, Any, int]] = []  # (step, packed metrics, tokens) in flight
+    self._last_pull = time.time()
     self.last: dict[str, float] = {}  # the newest logged line
     self._sums = None
     self.restart_clock()
@@ -158,24 +167,41 @@ class MetricsWindow:
     finally:
       self._time += time.time() - start
 
-  def push(self, step: int, device_metrics: dict, tokens: int) -> None:
-    previous, self._pending = self._pending, (step, device_metrics, tokens)
-    if previous is not None:
-      self._consume(*previous)
+  def push(self, step: int, device_metrics: Any, tokens: int) -> None:
+    self._pending.append((step, device_metrics, tokens))
+    if len(self._pending) < 2:
+      return
+    # A log step is pulled as soon as it is done, so each window's clock stops at its end.
+    if (
+        self._logs(self._pending[-2][0])
+        or time.time() - self._last_pull >= self.PULL_SECONDS
+        or len(self._pending) > self.MAX_PENDING
+    ):
+      self._pull(len(self._pending) - 1)
+
+  def _logs(self, step: int) -> bool:
+    return step % self.log_every == 0 or step == self.total
 
   def flush(self) -> None:
-    previous, self._pending = self._pending, None
-    if previous is not None:
-      self._consume(*previous)
+    self._pull(len(self._pending))
 
-  def _consume(self, step: int, device_metrics: dict, tokens: int) -> None:
-    m = jax.tree.map(np.asarray, jax.device_get(device_metrics))
+  def _pull(self, count: int) -> None:
+    """Consumes the oldest `count` pending steps, in order, in one transfer."""
+    pulled, self._pending = self._pending[:count], self._pending[count:]
+    if not pulled:
+      return
+    values = np.asarray(jax.device_get([m for _, m, _ in pulled]))  # waits for the newest
+    self._last_pull = time.time()
+    for (step, _, tokens), row in zip(pulled, values):
+      self._consume(step, dict(zip(steps_lib.METRIC_NAMES, row)), tokens)
+
+  def _consume(self, step: int, m: dict[str, np.float32], tokens: int) -> None:
     if int(m["nonfinite"]):
       self._on_nonfinite(step)
     sums = {k: m[k] for k in self.SUMMED}
     self._sums = sums if self._sums is None else {k: self._sums[k] + sums[k] for k in sums}
     self._tokens += tokens
-    if step % self.log_every and step != self.total:
+    if not self._logs(step):
       return
     tokens_per_sec = self._tokens / max(time.time() - self._time, 1e-9)
     denom = max(float(self._sums["weight_sum"]), 1e-9)

@@ -95,25 +95,41 @@ class TrainRun:
     self.ckpt.close()
 
 
+def _to_global(batch: dict, mesh: jax.sharding.Mesh) -> dict:
+  """A host batch as the jitted steps take it.
+
+  Across processes: global jax.Arrays (data.make_global_batch). In one process the host
+  batch is the global batch: after the same divisibility check it goes to the step as
+  numpy, and jit copies it to its in_shardings in C++. device_put's Python path cost the
+  loop's thread ~1 ms more per step on 2 cores, CPU that XLA's threads lose (docs/performance.md).
+  """
+  if jax.process_count() > 1:
+    return data.make_global_batch(batch, mesh, sharding.BATCH_AXES)
+  data.check_global_rows(batch, mesh, sharding.BATCH_AXES)
+  return batch
+
+
 def _jit_steps(config, module, tx, schedule, shardings, mesh, rules):
   """The train step (state donated) and eval step, traced under the mesh and logical rules."""
   apply_fn = make_apply_fn(module, config.model)
   replicated = sharding.replicated(mesh)
   batch_sharding = sharding.batch_sharding(mesh)
+  step_fn = functools.partial(
+      steps.train_step,
+      apply_fn=apply_fn,
+      tx=tx,
+      schedule=schedule,
+      label_smoothing=config.loss.label_smoothing,
+      z_loss=config.loss.z_loss,
+      grad_accum_steps=config.train.grad_accum_steps,
+  )
+
+  def train_step(state, batch):  # metrics packed: one buffer to pull (steps.pack_metrics)
+    state, metrics = step_fn(state, batch)
+    return state, steps.pack_metrics(metrics)
+
   train_step = jax.jit(
-      sharding.with_rules(
-          functools.partial(
-              steps.train_step,
-              apply_fn=apply_fn,
-              tx=tx,
-              schedule=schedule,
-              label_smoothing=config.loss.label_smoothing,
-              z_loss=config.loss.z_loss,
-              grad_accum_steps=config.train.grad_accum_steps,
-          ),
-          mesh,
-          rules,
-      ),
+      sharding.with_rules(train_step, mesh, rules),
       in_shardings=(shardings, batch_sharding),
       out_shardings=(shardings, replicated),
       donate_argnums=0,
@@ -138,7 +154,7 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> TrainRun:
 
   mesh = sharding.make_mesh(config.mesh)
   rules = sharding.logical_rules(config)
-  to_global = lambda b: data.make_global_batch(b, mesh, sharding.BATCH_AXES)  # noqa: E731
+  to_global = functools.partial(_to_global, mesh=mesh)
 
   module = models.build(config.model)
   tx, schedule = optimizers.build_optimizer(config)
