@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import pathlib
 from typing import Callable
@@ -58,7 +57,7 @@ def jax_step(config: ml_collections.ConfigDict, batch: dict) -> Callable[[], Non
   import jax  # pylint: disable=g-import-not-at-top
 
   from tx_jax import models  # pylint: disable=g-import-not-at-top
-  from tx_jax.train import loop, optimizers, state as state_lib, steps as steps_lib
+  from tx_jax.train import loop, optimizers, run as run_lib, state as state_lib
 
   module = models.build(config.model)
   apply_fn = loop.make_apply_fn(module, config.model)
@@ -69,17 +68,7 @@ def jax_step(config: ml_collections.ConfigDict, batch: dict) -> Callable[[], Non
     return module.init({"params": rng}, *args, **kwargs, train=False)["params"]
 
   holder = {"state": jax.jit(state_lib.make_init_fn(init_params, tx, config.seed))()}
-  step = jax.jit(
-      functools.partial(
-          steps_lib.train_step,
-          apply_fn=apply_fn,
-          tx=tx,
-          schedule=schedule,
-          label_smoothing=config.loss.label_smoothing,
-          z_loss=config.loss.z_loss,
-      ),
-      donate_argnums=0,
-  )
+  step = jax.jit(run_lib.bind_train_step(config, apply_fn, tx, schedule), donate_argnums=0)
   device_batch = jax.device_put(batch)
 
   def run(wait: bool = True) -> None:

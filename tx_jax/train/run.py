@@ -95,6 +95,19 @@ class TrainRun:
     self.ckpt.close()
 
 
+def bind_train_step(config, apply_fn, tx, schedule) -> Callable:
+  """steps.train_step with config's static arguments bound: (state, batch) -> (state, metrics)."""
+  return functools.partial(
+      steps.train_step,
+      apply_fn=apply_fn,
+      tx=tx,
+      schedule=schedule,
+      label_smoothing=config.loss.label_smoothing,
+      z_loss=config.loss.z_loss,
+      grad_accum_steps=config.train.grad_accum_steps,
+  )
+
+
 def _to_global(batch: dict, mesh: jax.sharding.Mesh) -> dict:
   """A host batch as the jitted steps take it.
 
@@ -114,15 +127,7 @@ def _jit_steps(config, module, tx, schedule, shardings, mesh, rules):
   apply_fn = make_apply_fn(module, config.model)
   replicated = sharding.replicated(mesh)
   batch_sharding = sharding.batch_sharding(mesh)
-  step_fn = functools.partial(
-      steps.train_step,
-      apply_fn=apply_fn,
-      tx=tx,
-      schedule=schedule,
-      label_smoothing=config.loss.label_smoothing,
-      z_loss=config.loss.z_loss,
-      grad_accum_steps=config.train.grad_accum_steps,
-  )
+  step_fn = bind_train_step(config, apply_fn, tx, schedule)
 
   def train_step(state, batch):  # metrics packed: one buffer to pull (steps.pack_metrics)
     state, metrics = step_fn(state, batch)
