@@ -31,10 +31,11 @@ def main(argv) -> int:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:  # library INFO lines (Orbax) drown the progress
     logging.set_verbosity(logging.WARNING)
-  from tx_jax import multihost  # pylint: disable=g-import-not-at-top
+  from tx_jax import multihost, sharding  # pylint: disable=g-import-not-at-top
 
-  multihost.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   config = _CONFIG.value
+  sharding.use_cpu_devices(config.mesh)  # before anything starts JAX's backend
+  multihost.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   from tx_jax import validation  # pylint: disable=g-import-not-at-top
   from tx_jax.train import loop  # pylint: disable=g-import-not-at-top
 

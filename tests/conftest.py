@@ -37,6 +37,13 @@ from tx_jax import host_memory  # noqa: E402
 # buffers are then reused instead of page-faulted in again on every call.
 host_memory.reuse_freed_memory()
 
+# Start the CPU backend now, with its 8 devices: a test that reaches
+# sharding.use_cpu_devices (config.mesh.cpu_devices > 0) then gets its clear "already
+# running" error instead of silently changing the device count for every later test.
+import jax  # noqa: E402
+
+jax.devices()
+
 
 def shared_data_dir() -> pathlib.Path | None:
   """The offline data folder: $TX_JAX_DATA_DIR, else ../shared/data beside the repo."""

@@ -84,6 +84,45 @@ def mesh_shape(mesh_cfg: ml_collections.ConfigDict, num_devices: int) -> dict[st
   return sizes
 
 
+def cpu_device_count(mesh_cfg: ml_collections.ConfigDict) -> int:
+  """config.mesh.cpu_devices, checked: an int >= 0 (absent in old workdir configs: 0)."""
+  count = mesh_cfg.get("cpu_devices", 0)
+  if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+    raise ValueError(
+        f"config.mesh.cpu_devices={count!r}: expected an int >= 0 (0 keeps JAX's default of "
+        "one CPU device per process)"
+    )
+  return count
+
+
+def use_cpu_devices(mesh_cfg: ml_collections.ConfigDict) -> None:
+  """Splits this process's CPU into `config.mesh.cpu_devices` JAX devices (0: JAX's default).
+
+  Why: one XLA:CPU device runs one op at a time over every core, and most of a small
+  model's ~1,000 ops per step are too small to split well. With 2 devices on 2 cores and
+  the batch split over them (config.mesh.data=-1 fills them), one device's op runs while
+  the other's leaves a core idle: the configs/gpt.py:tiny-shakespeare trainer went from 21k
+  to 27k tokens/s (docs/performance.md). The count is per process and must be set before
+  JAX starts its backend; once it runs, the devices it has must already match. Accelerator
+  runs are unaffected (the setting only shapes the CPU backend).
+  """
+  count = cpu_device_count(mesh_cfg)
+  if count == 0:
+    return
+  try:
+    jax.config.update("jax_num_cpu_devices", count)  # a no-op when it already holds `count`
+    return
+  except RuntimeError:  # the backend is running: check what it has
+    pass
+  if jax.default_backend() == "cpu" and jax.local_device_count() != count:
+    raise ValueError(
+        f"config.mesh.cpu_devices={count}, but JAX's CPU backend already runs with "
+        f"{jax.local_device_count()} devices in this process; the count can only be chosen "
+        "before any JAX work (the experiments.* commands do that first). Set "
+        "config.mesh.cpu_devices=0 to use the devices there are."
+    )
+
+
 def make_mesh(mesh_cfg: ml_collections.ConfigDict, devices: Sequence[Any] | None = None) -> Mesh:
   """The device mesh of `config.mesh` over `devices` (default: every device of every process).
 
@@ -349,6 +388,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   the processes so that each process feeds only its own rows.
   """
   sizes = mesh_shape(config.mesh, num_devices)
+  cpu_device_count(config.mesh)
   rules = logical_rules(config)
 
   def shards(mesh_axes: Sequence[str]) -> tuple[int, str]:

@@ -14,6 +14,9 @@ from tx_jax.benchmarks.common import Shape
 def jax_config(shape: Shape, data_dir: str = "") -> ml_collections.ConfigDict:
   """configs/gpt.py:tiny reshaped to `shape` (GPT-2 style, fp32, dropout 0, AdamW).
 
+  On the CPU presets' devices (configs/gpt.py:CPU_DEVICES, data parallel), as
+  tiny-shakespeare ships; the benchmark's process is started with them (runner.run).
+
   With data_dir, the data section reads Tiny Shakespeare byte-level, unpacked as
   configs/gpt.py:tiny-shakespeare ships it (its rows are whole chunks: packing would only
   cost host time); token ids then stay below 360 whatever the vocabulary, which costs the
@@ -28,6 +31,7 @@ def jax_config(shape: Shape, data_dir: str = "") -> ml_collections.ConfigDict:
   m.vocab_size, m.max_len = shape.vocab, shape.seq_len
   m.dropout_rate = m.attention_dropout_rate = 0.0
   config.data.seq_len, config.data.global_batch_size = shape.seq_len, shape.batch
+  config.mesh.cpu_devices = gpt.CPU_DEVICES  # as the CPU preset tiny-shakespeare ships
   if data_dir:
     train_defaults.tiny_shakespeare(config, task="lm")
     config.data.manual_dir = str(pathlib.Path(data_dir) / "tinyshakespeare")
@@ -48,28 +52,26 @@ def random_batch(shape: Shape, seed: int = 0) -> dict:
 
 
 def jax_step(config: ml_collections.ConfigDict, batch: dict) -> Callable[[], None]:
-  """The trainer's pure train_step, jitted alone on one device with the state donated.
+  """The trainer's jitted train step (tx_jax.train.run.jit_steps), alone, state donated.
 
-  Returns `run(wait=True)`, which runs one step and, with `wait`, waits for it. Timing
-  several steps with `wait=False` and waiting only for the last measures what the trainer
-  gets: JAX dispatches the next step while the current one runs, as the loop does.
+  On the trainer's mesh (config.mesh over this process's devices) with its shardings, so it
+  is the very program the trainer runs. Returns `run(wait=True)`, which runs one step and,
+  with `wait`, waits for it. Timing several steps with `wait=False` and waiting only for
+  the last measures what the trainer gets: JAX dispatches the next step while the current
+  one runs, as the loop does.
   """
   import jax  # pylint: disable=g-import-not-at-top
 
-  from tx_jax import models  # pylint: disable=g-import-not-at-top
-  from tx_jax.train import loop, optimizers, run as run_lib, state as state_lib
+  from tx_jax import models, sharding  # pylint: disable=g-import-not-at-top
+  from tx_jax.train import optimizers, run as run_lib
 
+  mesh, rules = sharding.make_mesh(config.mesh), sharding.logical_rules(config)
   module = models.build(config.model)
-  apply_fn = loop.make_apply_fn(module, config.model)
   tx, schedule = optimizers.build_optimizer(config)
-
-  def init_params(rng):
-    args, kwargs = models.model_inputs(config.model, batch)
-    return module.init({"params": rng}, *args, **kwargs, train=False)["params"]
-
-  holder = {"state": jax.jit(state_lib.make_init_fn(init_params, tx, config.seed))()}
-  step = jax.jit(run_lib.bind_train_step(config, apply_fn, tx, schedule), donate_argnums=0)
-  device_batch = jax.device_put(batch)
+  init_fn, _, shardings = run_lib.state_layout(config, module, tx, batch, mesh, rules)
+  holder = {"state": jax.jit(init_fn, out_shardings=shardings)()}
+  step, _ = run_lib.jit_steps(config, module, tx, schedule, shardings, mesh, rules)
+  device_batch = jax.device_put(batch, sharding.batch_sharding(mesh))
 
   def run(wait: bool = True) -> None:
     holder["state"], metrics = step(holder["state"], device_batch)

@@ -122,6 +122,7 @@ def train_and_evaluate(
   """
   wall_start = time.time()
   host_memory.reuse_freed_memory()  # before validation starts JAX (a no-op if it already has)
+  sharding.use_cpu_devices(config.mesh)  # likewise; an error if JAX runs with another count
   validate(config)
   sharding.validate(config, jax.device_count(), jax.process_count())
   run = run_lib.setup(config, pathlib.Path(workdir))

@@ -122,7 +122,25 @@ def _to_global(batch: dict, mesh: jax.sharding.Mesh) -> dict:
   return batch
 
 
-def _jit_steps(config, module, tx, schedule, shardings, mesh, rules):
+def state_layout(config, module, tx, example: dict, mesh, rules) -> tuple[Callable, Any, Any]:
+  """(init_fn, the boxed abstract params, the state's shardings) of config's model on `mesh`.
+
+  `example` is a batch of the run's shapes (its leading size is irrelevant).
+  """
+
+  def init_params(rng):
+    args, kwargs = models.model_inputs(config.model, example)
+    return module.init({"params": rng}, *args, **kwargs, train=False)["params"]
+
+  init_fn = state_lib.make_init_fn(init_params, tx, config.seed)
+  # Init is not wrapped in the rules context (sharding.with_rules says so): out_shardings
+  # place the parameters.
+  boxed_params = jax.eval_shape(init_params, jax.random.PRNGKey(0))
+  shardings = sharding.state_shardings(jax.eval_shape(init_fn), boxed_params, mesh, rules)
+  return init_fn, boxed_params, shardings
+
+
+def jit_steps(config, module, tx, schedule, shardings, mesh, rules):
   """The train step (state donated) and eval step, traced under the mesh and logical rules."""
   apply_fn = make_apply_fn(module, config.model)
   replicated = sharding.replicated(mesh)
@@ -166,23 +184,13 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> TrainRun:
   train_iter = data.build_train_iterator(config)
   first_batch = next(train_iter)
   example = {k: jnp.zeros((1,) + v.shape[1:], v.dtype) for k, v in first_batch.items()}
-
-  def init_params(rng):
-    args, kwargs = models.model_inputs(config.model, example)
-    return module.init({"params": rng}, *args, **kwargs, train=False)["params"]
-
-  init_fn = state_lib.make_init_fn(init_params, tx, config.seed)
-  # Init is not wrapped in the rules context (sharding.with_rules says so): out_shardings
-  # place the parameters.
-  boxed_params = jax.eval_shape(init_params, jax.random.PRNGKey(0))
-  abstract_state = jax.eval_shape(init_fn)
-  shardings = sharding.state_shardings(abstract_state, boxed_params, mesh, rules)
+  init_fn, boxed_params, shardings = state_layout(config, module, tx, example, mesh, rules)
 
   ckpt = checkpoint_lib.Checkpointer(workdir / "checkpoints", config.checkpoint, config.model)
   restored = None
   if config.checkpoint.resume:
     restored = ckpt.restore_latest(
-        checkpoint_lib.abstract_with_shardings(abstract_state, shardings), train_iter
+        checkpoint_lib.abstract_with_shardings(jax.eval_shape(init_fn), shardings), train_iter
     )
   if restored is not None:
     state, start = restored
@@ -193,7 +201,7 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> TrainRun:
     state = jax.jit(init_fn, out_shardings=shardings)()
     start = 0
 
-  train_step, eval_step = _jit_steps(config, module, tx, schedule, shardings, mesh, rules)
+  train_step, eval_step = jit_steps(config, module, tx, schedule, shardings, mesh, rules)
   evaluator = evaluation.Evaluator(
       config, module, eval_step, to_global, sharding.replicated(mesh)
   )
