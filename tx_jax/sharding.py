@@ -105,6 +105,11 @@ def use_cpu_devices(mesh_cfg: ml_collections.ConfigDict) -> None:
   to 27k tokens/s (docs/performance.md). The count is per process and must be set before
   JAX starts its backend; once it runs, the devices it has must already match. Accelerator
   runs are unaffected (the setting only shapes the CPU backend).
+
+  A limit of XLA:CPU (jax 0.10) to know: with several devices, more than ~33 programs with
+  collectives in flight hang until a 40 s rendezvous timeout aborts the process. The
+  trainer never runs more than MetricsWindow.MAX_PENDING (16) steps ahead and its
+  evaluator waits for every batch; code that dispatches longer queues must wait sooner.
   """
   count = cpu_device_count(mesh_cfg)
   if count == 0:

@@ -82,6 +82,7 @@ def compare(shape: Shape, options: Options, *, minimal_torch: bool, torch_compil
 
   from tx_jax import data  # pylint: disable=g-import-not-at-top
   from tx_jax.benchmarks import torch_gpt  # pylint: disable=g-import-not-at-top
+  from tx_jax.train import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
 
   threads = models.set_torch_threads()
   torch.manual_seed(0)
@@ -98,8 +99,8 @@ def compare(shape: Shape, options: Options, *, minimal_torch: bool, torch_compil
   repeat = lambda fn: lambda: [fn() for _ in range(calls)]  # noqa: E731
 
   def jax_steps() -> None:  # back to back, as the trainer dispatches them; wait for the last
-    for _ in range(calls - 1):
-      jax_step(wait=False)
+    for i in range(1, calls):  # and, as the trainer, never more than MAX_PENDING ahead
+      jax_step(wait=i % metrics_lib.MetricsWindow.MAX_PENDING == 0)
     jax_step()
 
   runners = {"step": jax_steps}

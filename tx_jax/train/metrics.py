@@ -133,7 +133,10 @@ class MetricsWindow:
 
   SUMMED = ("loss_sum", "correct_sum", "weight_sum")
   PULL_SECONDS = 0.1
-  MAX_PENDING = 16  # the most steps the host dispatches ahead of what it has pulled
+  # The most steps the host dispatches ahead of what it has pulled. Also a safety bound:
+  # XLA:CPU with several devices (config.mesh.cpu_devices) hangs once more than ~33
+  # programs with collectives are in flight (jax 0.10; docs/performance.md).
+  MAX_PENDING = 16
 
   def __init__(
       self,
