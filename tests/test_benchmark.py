@@ -110,6 +110,9 @@ def test_smoke_run_writes_every_section_and_the_names_scripts_rely_on(tmp_path, 
   assert report["time_to_loss"]["tx_jax_final_loss"] > 0
   assert {r["scan_layers"] for r in report["compile"]["rows"]} == {True, False}
   assert report["machine"]["loadavg"]
+  # The process runs on the CPU presets' devices, and the one-device step is measured beside.
+  assert report["machine"]["devices"] == ["cpu:0", "cpu:1"]
+  assert report["train"]["ratios"]["step_over_one_device"] > 0
 
 
 @pytest.mark.slow

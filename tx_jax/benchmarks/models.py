@@ -51,11 +51,13 @@ def random_batch(shape: Shape, seed: int = 0) -> dict:
   }
 
 
-def jax_step(config: ml_collections.ConfigDict, batch: dict) -> Callable[[], None]:
+def jax_step(
+    config: ml_collections.ConfigDict, batch: dict, devices: list | None = None
+) -> Callable[[], None]:
   """The trainer's jitted train step (tx_jax.train.run.jit_steps), alone, state donated.
 
-  On the trainer's mesh (config.mesh over this process's devices) with its shardings, so it
-  is the very program the trainer runs. Returns `run(wait=True)`, which runs one step and,
+  On the trainer's mesh (config.mesh over `devices`, default all of this process's) with
+  its shardings, so it is the very program the trainer runs. Returns `run(wait=True)`, which runs one step and,
   with `wait`, waits for it. Timing several steps with `wait=False` and waiting only for
   the last measures what the trainer gets: JAX dispatches the next step while the current
   one runs, as the loop does.
@@ -65,7 +67,7 @@ def jax_step(config: ml_collections.ConfigDict, batch: dict) -> Callable[[], Non
   from tx_jax import models, sharding  # pylint: disable=g-import-not-at-top
   from tx_jax.train import optimizers, run as run_lib
 
-  mesh, rules = sharding.make_mesh(config.mesh), sharding.logical_rules(config)
+  mesh, rules = sharding.make_mesh(config.mesh, devices), sharding.logical_rules(config)
   module = models.build(config.model)
   tx, schedule = optimizers.build_optimizer(config)
   init_fn, _, shardings = run_lib.state_layout(config, module, tx, batch, mesh, rules)

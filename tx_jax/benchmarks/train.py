@@ -4,7 +4,9 @@ In one process, interleaved round by round: tx_jax's jitted `train_step` alone, 
 (transformers' GPT2LMHeadModel, dropout 0, torch.optim.AdamW) eager and under
 torch.compile, and for `small` also the minimal PyTorch GPT of torch_gpt.py. The real
 trainer (`tx_jax.train.loop.train_and_evaluate`, Tiny Shakespeare through the data
-pipeline) runs right after. MFU = model FLOPs (the dry run's formula) / the fp32 matmul
+pipeline) drives the rounds: one after each of its log windows. tx_jax runs on the CPU
+presets' devices (config.mesh.cpu_devices); with more than one, the same step on one
+device is a contestant too, to show what that setting buys. MFU = model FLOPs (the dry run's formula) / the fp32 matmul
 peak measured in the same process, for each framework against its own peak.
 """
 
@@ -78,7 +80,8 @@ def compare(shape: Shape, options: Options, *, minimal_torch: bool, torch_compil
   runs once (`after_log`), so the trainer and the bare step see the same minute of this
   shared machine and `loop_overhead` compares like with like.
   """
-  import torch  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import torch
 
   from tx_jax import data  # pylint: disable=g-import-not-at-top
   from tx_jax.benchmarks import torch_gpt  # pylint: disable=g-import-not-at-top
@@ -89,7 +92,8 @@ def compare(shape: Shape, options: Options, *, minimal_torch: bool, torch_compil
   config = models.jax_config(shape, options.data_dir)
   # The bare step runs on a batch of the trainer's own pipeline: the same keys (segment
   # ids, positions) give the same computation, so the loop's cost is all that differs.
-  jax_step = models.jax_step(config, next(data.build_train_iterator(config)))
+  batch = next(data.build_train_iterator(config))
+  jax_step = models.jax_step(config, batch)
   jax_step()  # compile
   start = time.perf_counter()
   jax_step()
@@ -98,12 +102,17 @@ def compare(shape: Shape, options: Options, *, minimal_torch: bool, torch_compil
   calls = max(1, round((0.05 if options.smoke else CALL_SECONDS) / (time.perf_counter() - start)))
   repeat = lambda fn: lambda: [fn() for _ in range(calls)]  # noqa: E731
 
-  def jax_steps() -> None:  # back to back, as the trainer dispatches them; wait for the last
-    for i in range(1, calls):  # and, as the trainer, never more than MAX_PENDING ahead
-      jax_step(wait=i % metrics_lib.MetricsWindow.MAX_PENDING == 0)
-    jax_step()
+  def back_to_back(step):  # as the trainer dispatches steps: wait for the last, and never
+    def run() -> None:  # run more than MAX_PENDING ahead
+      for i in range(1, calls):
+        step(wait=i % metrics_lib.MetricsWindow.MAX_PENDING == 0)
+      step()
 
-  runners = {"step": jax_steps}
+    return run
+
+  runners = {"step": back_to_back(jax_step)}
+  if len(jax.devices()) > 1:  # what config.mesh.cpu_devices buys: the same step on one device
+    runners["step_one_device"] = back_to_back(models.jax_step(config, batch, jax.devices()[:1]))
   runners["torch_eager"] = repeat(models.torch_step(models.hf_gpt2(shape), shape, models.hf_loss, False))
   if torch_compile:
     runners["torch_compile"] = repeat(
@@ -140,9 +149,9 @@ def compare(shape: Shape, options: Options, *, minimal_torch: bool, torch_compil
   )
   result["loop_overhead"] = 1.0 - result["tokens_per_sec"] / result["step_tokens_per_sec"]
   # Paired by round (window i, then the bare step's round i): drift cancels within a pair.
-  result["loop_overhead_paired"] = common.median(
-      [1.0 - (w["tokens_per_sec"] * wall_s / tokens) for w, wall_s in zip(windows, wall["step"])]
-  )
+  paired = [1.0 - (w["tokens_per_sec"] * wall_s / tokens) for w, wall_s in zip(windows, wall["step"])]
+  result["loop_overhead_paired"] = common.median(paired)
+  result["loop_overhead_paired_all"] = paired
 
   jax_peak, torch_peak = common.jax_matmul_peak(PEAK_SIZE), common.torch_matmul_peak(PEAK_SIZE)
   flops = flops_per_token(config)
@@ -170,6 +179,9 @@ def compare(shape: Shape, options: Options, *, minimal_torch: bool, torch_compil
           result["step_tokens_per_sec"], result["torch_eager_tokens_per_sec"]
       ),
       "step_over_fastest_torch_eager": common.ratio(result["step_tokens_per_sec"], best_torch_eager),
+      "step_over_one_device": common.ratio(
+          result["step_tokens_per_sec"], result.get("step_one_device_tokens_per_sec")
+      ),
       "trainer_mfu_over_jax_peak": result["mfu"],
   }
   # The ceiling: the step's two largest GEMMs alone, XLA vs torch, same threads.
@@ -202,7 +214,11 @@ def plot(result: dict, path, title: str) -> None:
       if k.endswith("_tokens_per_sec") and isinstance(v, float) and not k.startswith("pipeline")
   ]
   names = ["tokens"] + [n for n in names if n != "tokens"] if "tokens_per_sec" in result else names
-  labels = {"tokens": "tx_jax trainer", "step": "tx_jax jitted step"}
+  labels = {
+      "tokens": "tx_jax trainer",
+      "step": "tx_jax jitted step",
+      "step_one_device": "tx_jax step, 1 CPU device",
+  }
   values = [result["tokens_per_sec"] if n == "tokens" else result[f"{n}_tokens_per_sec"] for n in names]
   fig, ax = plt.subplots(figsize=(7, 3.5))
   ax.barh([labels.get(n, n.replace("_", " ")) for n in names], values)
