@@ -20,8 +20,9 @@ def mesh_config() -> ml_collections.ConfigDict:
   c.fsdp = 1  # ZeRO-3 shards: batch split and params + optimizer state split; -1 = fill
   c.sequence = 1  # sequence parallelism: activations split along their length; -1 = fill
   c.tensor = 1  # Megatron tensor parallelism: heads / mlp / vocab split; -1 = fill
-  # CPU only: split each process's cores into this many JAX devices (set before JAX starts;
-  # the axis left at -1 spreads over them). 0 = JAX's default, one device (sharding.use_cpu_devices).
+  # CPU only: the CPU devices a run uses. The process is split into this many before JAX
+  # starts (one that already has more uses the first N); the axis left at -1 spreads over
+  # them. 0 = every device JAX has, by default one per process (sharding.use_cpu_devices).
   c.cpu_devices = 0
   return c
 

@@ -38,8 +38,8 @@ from tx_jax import host_memory  # noqa: E402
 host_memory.reuse_freed_memory()
 
 # Start the CPU backend now, with its 8 devices: a test that reaches
-# sharding.use_cpu_devices (config.mesh.cpu_devices > 0) then gets its clear "already
-# running" error instead of silently changing the device count for every later test.
+# sharding.use_cpu_devices (config.mesh.cpu_devices > 0) then runs on the first N of them
+# instead of changing the device count for every later test.
 import jax  # noqa: E402
 
 jax.devices()

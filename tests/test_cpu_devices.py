@@ -1,8 +1,8 @@
 """config.mesh.cpu_devices: the process's CPU split into JAX devices, data parallel over them.
 
-In-process tests run under conftest's 8 fake CPU devices, so they can only check the
-field and the "too late" error; the trainer runs in fresh processes (one real device
-otherwise) for the rest.
+In-process tests run under conftest's 8 fake CPU devices, of which a run uses the first
+`cpu_devices`; the trainer runs in fresh processes (one real device otherwise), where the
+field splits the process, for the rest.
 """
 
 import jax
@@ -31,12 +31,17 @@ def test_validation_checks_the_field_before_anything_runs():
     sharding.validate(_mesh(-1), num_devices=8)
 
 
-def test_a_backend_already_running_with_another_count_is_an_error_that_says_what_to_do():
+def test_a_running_backend_lends_its_first_devices_and_too_few_is_an_error():
   assert jax.local_device_count() == 8  # conftest started the backend
   sharding.use_cpu_devices(_mesh(0).mesh)  # JAX's default: nothing to do
-  sharding.use_cpu_devices(_mesh(8).mesh)  # what conftest started: fine
-  with pytest.raises(ValueError, match=r"cpu_devices=2, .*already runs with 8 devices.*cpu_devices=0"):
-    sharding.use_cpu_devices(_mesh(2).mesh)
+  assert sharding.run_devices(_mesh(0).mesh) == jax.devices()
+  sharding.use_cpu_devices(_mesh(2).mesh)  # fewer than there are: the first 2
+  assert sharding.run_devices(_mesh(2).mesh) == jax.devices()[:2]
+  mesh = sharding.make_mesh(_mesh(2).mesh)
+  assert mesh.devices.size == 2 and dict(mesh.shape)["data"] == 2
+  sharding.validate(_mesh(2), num_devices=len(sharding.run_devices(_mesh(2).mesh)))
+  with pytest.raises(ValueError, match=r"cpu_devices=9, .*already runs with 8 devices.*cpu_devices=0"):
+    sharding.use_cpu_devices(_mesh(9).mesh)
 
 
 def test_tiny_shakespeare_ships_two_cpu_devices_and_they_divide_its_batches():

@@ -96,15 +96,16 @@ def cpu_device_count(mesh_cfg: ml_collections.ConfigDict) -> int:
 
 
 def use_cpu_devices(mesh_cfg: ml_collections.ConfigDict) -> None:
-  """Splits this process's CPU into `config.mesh.cpu_devices` JAX devices (0: JAX's default).
+  """Makes `config.mesh.cpu_devices` CPU devices available to the run (0: JAX's default).
 
   Why: one XLA:CPU device runs one op at a time over every core, and most of a small
   model's ~1,000 ops per step are too small to split well. With 2 devices on 2 cores and
   the batch split over them (config.mesh.data=-1 fills them), one device's op runs while
   the other's leaves a core idle: the configs/gpt.py:tiny-shakespeare trainer went from 21k
-  to 27k tokens/s (docs/performance.md). The count is per process and must be set before
-  JAX starts its backend; once it runs, the devices it has must already match. Accelerator
-  runs are unaffected (the setting only shapes the CPU backend).
+  to 27k tokens/s. Below ~2k tokens per step the collectives cost more than that gains
+  (docs/performance.md). Before JAX starts its backend this splits the process into that
+  many devices; a single process that already has more uses the first `cpu_devices`
+  (`run_devices`), fewer is an error. Accelerator runs are unaffected.
 
   A limit of XLA:CPU (jax 0.10) to know: with several devices, more than ~33 programs with
   collectives in flight hang until a 40 s rendezvous timeout aborts the process. The
@@ -119,23 +120,37 @@ def use_cpu_devices(mesh_cfg: ml_collections.ConfigDict) -> None:
     return
   except RuntimeError:  # the backend is running: check what it has
     pass
-  if jax.default_backend() == "cpu" and jax.local_device_count() != count:
+  if jax.default_backend() != "cpu":
+    return
+  have = jax.local_device_count()
+  if have < count or (have > count and jax.process_count() > 1):
     raise ValueError(
-        f"config.mesh.cpu_devices={count}, but JAX's CPU backend already runs with "
-        f"{jax.local_device_count()} devices in this process; the count can only be chosen "
-        "before any JAX work (the experiments.* commands do that first). Set "
-        "config.mesh.cpu_devices=0 to use the devices there are."
+        f"config.mesh.cpu_devices={count}, but JAX's CPU backend already runs with {have} "
+        "devices in this process; the count can only be raised before any JAX work (the "
+        "experiments.* commands set it first). Set config.mesh.cpu_devices=0 to use the "
+        "devices there are."
     )
 
 
+def run_devices(mesh_cfg: ml_collections.ConfigDict) -> list[Any]:
+  """The devices a run of this config uses: all of them, or on one CPU process with
+  config.mesh.cpu_devices set, the first cpu_devices (use_cpu_devices checked there are)."""
+  devices = jax.devices()
+  count = cpu_device_count(mesh_cfg)
+  if count and jax.default_backend() == "cpu" and jax.process_count() == 1:
+    return devices[:count]
+  return devices
+
+
 def make_mesh(mesh_cfg: ml_collections.ConfigDict, devices: Sequence[Any] | None = None) -> Mesh:
-  """The device mesh of `config.mesh` over `devices` (default: every device of every process).
+  """The device mesh of `config.mesh` over `devices` (default: `run_devices`, every device of
+  every process unless config.mesh.cpu_devices picks fewer CPU devices).
 
   Across hosts (several processes on GPU/CPU, or several TPU slices) the outer axes (data
   first, then fsdp, ...) absorb the host count, so tensor and fsdp collectives stay on the
   fast intra-host network and only the outer axes cross the slower one.
   """
-  devices = list(jax.devices() if devices is None else devices)
+  devices = list(run_devices(mesh_cfg) if devices is None else devices)
   sizes = [mesh_shape(mesh_cfg, len(devices))[axis] for axis in MESH_AXES]
   axis_types = (AxisType.Auto,) * len(MESH_AXES)
   granule_attr, granules = _granules(devices)

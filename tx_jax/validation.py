@@ -160,7 +160,9 @@ def train_config(
   best_metric_exists(config)
   vocabulary_fits(config)
   sharding.validate(
-      config, jax.device_count() if num_devices is None else num_devices, num_processes
+      config,
+      len(sharding.run_devices(config.mesh)) if num_devices is None else num_devices,
+      num_processes,
   )
 
 

@@ -132,7 +132,6 @@ def _few_steps(config, tmp_path):
   t.decode_examples, t.print_examples, t.plot, t.progress = 4, 0, False, "log"
   config.schedule.warmup_steps = 1
   config.checkpoint.every = 0
-  config.mesh.cpu_devices = 0  # the devices this process has (conftest's 8); see test_cpu_devices
   if config.data.source == "tfds":
     config.data.tfds_data_dir = str(tmp_path / "tfds")  # prepared here, not in ~/
   return config

@@ -14,8 +14,8 @@ from tx_jax.benchmarks.common import Shape
 def jax_config(shape: Shape, data_dir: str = "") -> ml_collections.ConfigDict:
   """configs/gpt.py:tiny reshaped to `shape` (GPT-2 style, fp32, dropout 0, AdamW).
 
-  On the CPU presets' devices (configs/gpt.py:CPU_DEVICES, data parallel), as
-  tiny-shakespeare ships; the benchmark's process is started with them (runner.run).
+  On shape.cpu_devices CPU devices (config.mesh.cpu_devices), of the CPU presets'
+  configs/gpt.py:CPU_DEVICES the benchmark's process is started with (runner.run).
 
   With data_dir, the data section reads Tiny Shakespeare byte-level, unpacked as
   configs/gpt.py:tiny-shakespeare ships it (its rows are whole chunks: packing would only
@@ -31,7 +31,7 @@ def jax_config(shape: Shape, data_dir: str = "") -> ml_collections.ConfigDict:
   m.vocab_size, m.max_len = shape.vocab, shape.seq_len
   m.dropout_rate = m.attention_dropout_rate = 0.0
   config.data.seq_len, config.data.global_batch_size = shape.seq_len, shape.batch
-  config.mesh.cpu_devices = gpt.CPU_DEVICES  # as the CPU preset tiny-shakespeare ships
+  config.mesh.cpu_devices = shape.cpu_devices
   if data_dir:
     train_defaults.tiny_shakespeare(config, task="lm")
     config.data.manual_dir = str(pathlib.Path(data_dir) / "tinyshakespeare")
@@ -51,13 +51,11 @@ def random_batch(shape: Shape, seed: int = 0) -> dict:
   }
 
 
-def jax_step(
-    config: ml_collections.ConfigDict, batch: dict, devices: list | None = None
-) -> Callable[[], None]:
+def jax_step(config: ml_collections.ConfigDict, batch: dict) -> Callable[[], None]:
   """The trainer's jitted train step (tx_jax.train.run.jit_steps), alone, state donated.
 
-  On the trainer's mesh (config.mesh over `devices`, default all of this process's) with
-  its shardings, so it is the very program the trainer runs. Returns `run(wait=True)`, which runs one step and,
+  On the trainer's mesh (config.mesh over sharding.run_devices) with its shardings, so it
+  is the very program the trainer runs. Returns `run(wait=True)`, which runs one step and,
   with `wait`, waits for it. Timing several steps with `wait=False` and waiting only for
   the last measures what the trainer gets: JAX dispatches the next step while the current
   one runs, as the loop does.
@@ -67,7 +65,7 @@ def jax_step(
   from tx_jax import models, sharding  # pylint: disable=g-import-not-at-top
   from tx_jax.train import optimizers, run as run_lib
 
-  mesh, rules = sharding.make_mesh(config.mesh, devices), sharding.logical_rules(config)
+  mesh, rules = sharding.make_mesh(config.mesh), sharding.logical_rules(config)
   module = models.build(config.model)
   tx, schedule = optimizers.build_optimizer(config)
   init_fn, _, shardings = run_lib.state_layout(config, module, tx, batch, mesh, rules)
