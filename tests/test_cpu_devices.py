@@ -40,7 +40,8 @@ def test_a_running_backend_lends_its_first_devices_and_too_few_is_an_error():
   mesh = sharding.make_mesh(_mesh(2).mesh)
   assert mesh.devices.size == 2 and dict(mesh.shape)["data"] == 2
   sharding.validate(_mesh(2), num_devices=len(sharding.run_devices(_mesh(2).mesh)))
-  with pytest.raises(ValueError, match=r"cpu_devices=9, .*already runs with 8 devices.*cpu_devices=0"):
+  too_many = r"cpu_devices=9, .*already runs with 8 devices.*cpu_devices=0"
+  with pytest.raises(ValueError, match=too_many):
     sharding.use_cpu_devices(_mesh(9).mesh)
 
 

@@ -126,7 +126,7 @@ def use_cpu_devices(mesh_cfg: ml_collections.ConfigDict) -> None:
   if have < count or (have > count and jax.process_count() > 1):
     raise ValueError(
         f"config.mesh.cpu_devices={count}, but JAX's CPU backend already runs with {have} "
-        "devices in this process; the count can only be raised before any JAX work (the "
+        "devices in this process; the count can only be chosen before any JAX work (the "
         "experiments.* commands set it first). Set config.mesh.cpu_devices=0 to use the "
         "devices there are."
     )

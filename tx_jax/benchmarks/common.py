@@ -45,7 +45,9 @@ class Shape:
     return self.seq_len * self.batch
 
 
-BENCH = Shape(num_layers=6, d_model=512, num_heads=8, seq_len=256, batch=8, vocab=8192, cpu_devices=2)
+BENCH = Shape(
+    num_layers=6, d_model=512, num_heads=8, seq_len=256, batch=8, vocab=8192, cpu_devices=2
+)
 SMALL = Shape(num_layers=4, d_model=128, num_heads=4, seq_len=64, batch=12, vocab=360)
 SMOKE = Shape(num_layers=2, d_model=32, num_heads=2, seq_len=16, batch=2, vocab=360)  # >= the byte ids
 

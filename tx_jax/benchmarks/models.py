@@ -14,8 +14,8 @@ from tx_jax.benchmarks.common import Shape
 def jax_config(shape: Shape, data_dir: str = "") -> ml_collections.ConfigDict:
   """configs/gpt.py:tiny reshaped to `shape` (GPT-2 style, fp32, dropout 0, AdamW).
 
-  On shape.cpu_devices CPU devices (config.mesh.cpu_devices), of the CPU presets'
-  configs/gpt.py:CPU_DEVICES the benchmark's process is started with (runner.run).
+  It runs on shape.cpu_devices CPU devices (config.mesh.cpu_devices), the first of the
+  configs/gpt.py:CPU_DEVICES that runner.run starts the benchmark's process with.
 
   With data_dir, the data section reads Tiny Shakespeare byte-level, unpacked as
   configs/gpt.py:tiny-shakespeare ships it (its rows are whole chunks: packing would only
@@ -68,9 +68,9 @@ def jax_step(config: ml_collections.ConfigDict, batch: dict) -> Callable[[], Non
   mesh, rules = sharding.make_mesh(config.mesh), sharding.logical_rules(config)
   module = models.build(config.model)
   tx, schedule = optimizers.build_optimizer(config)
-  init_fn, _, shardings = run_lib.state_layout(config, module, tx, batch, mesh, rules)
-  holder = {"state": jax.jit(init_fn, out_shardings=shardings)()}
-  step, _ = run_lib.jit_steps(config, module, tx, schedule, shardings, mesh, rules)
+  layout = run_lib.state_layout(config, module, tx, batch, mesh, rules)
+  holder = {"state": jax.jit(layout.init_fn, out_shardings=layout.shardings)()}
+  step, _ = run_lib.jit_steps(config, module, tx, schedule, layout.shardings, mesh, rules)
   device_batch = jax.device_put(batch, sharding.batch_sharding(mesh))
 
   def run(wait: bool = True) -> None:

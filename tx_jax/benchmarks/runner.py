@@ -57,10 +57,12 @@ def run(out_dir: str | pathlib.Path, only: list[str], options: Options) -> dict:
   if options.preset == "cpu":
     # Before anything starts JAX: the process gets the CPU presets' devices, so the trainer
     # and the bare step run as configs/gpt.py:tiny-shakespeare ships (sharding.use_cpu_devices).
+    import ml_collections  # pylint: disable=g-import-not-at-top
+
     from configs import gpt  # pylint: disable=g-import-not-at-top
     from tx_jax import sharding  # pylint: disable=g-import-not-at-top
 
-    sharding.use_cpu_devices(gpt.get_config("tiny-shakespeare").mesh)
+    sharding.use_cpu_devices(ml_collections.ConfigDict({"cpu_devices": gpt.CPU_DEVICES}))
   out = pathlib.Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
   path = out / "benchmark.json"

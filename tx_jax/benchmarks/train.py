@@ -6,8 +6,9 @@ torch.compile, and for `small` also the minimal PyTorch GPT of torch_gpt.py. The
 trainer (`tx_jax.train.loop.train_and_evaluate`, Tiny Shakespeare through the data
 pipeline) drives the rounds: one after each of its log windows. tx_jax runs on
 shape.cpu_devices CPU devices (config.mesh.cpu_devices: 2 for the bench config, 1 for
-`small`); the same step on the other choice is a contestant too, to show what it buys. MFU = model FLOPs (the dry run's formula) / the fp32 matmul
-peak measured in the same process, for each framework against its own peak.
+`small`); the same step on the other choice is a contestant too, to show what it buys.
+MFU = model FLOPs (the dry run's formula) / the fp32 matmul peak measured in the same
+process, for each framework against its own peak.
 """
 
 from __future__ import annotations
@@ -154,7 +155,9 @@ def compare(shape: Shape, options: Options, *, minimal_torch: bool, torch_compil
   )
   result["loop_overhead"] = 1.0 - result["tokens_per_sec"] / result["step_tokens_per_sec"]
   # Paired by round (window i, then the bare step's round i): drift cancels within a pair.
-  paired = [1.0 - (w["tokens_per_sec"] * wall_s / tokens) for w, wall_s in zip(windows, wall["step"])]
+  paired = [
+      1.0 - (w["tokens_per_sec"] * wall_s / tokens) for w, wall_s in zip(windows, wall["step"])
+  ]
   result["loop_overhead_paired"] = common.median(paired)
   result["loop_overhead_paired_all"] = paired
 

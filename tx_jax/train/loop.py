@@ -123,8 +123,7 @@ def train_and_evaluate(
   wall_start = time.time()
   host_memory.reuse_freed_memory()  # before validation starts JAX (a no-op if it already has)
   sharding.use_cpu_devices(config.mesh)  # likewise; an error if JAX runs with too few
-  validate(config)
-  sharding.validate(config, len(sharding.run_devices(config.mesh)), jax.process_count())
+  validate(config)  # the mesh too: validation.train_config ends with sharding.validate
   run = run_lib.setup(config, pathlib.Path(workdir))
   total, eval_every, save_every = config.train.steps, config.train.eval_every, config.checkpoint.every
   window = metrics_lib.MetricsWindow(

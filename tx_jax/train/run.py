@@ -8,7 +8,7 @@ jitted train/eval steps. The loop in `loop.py` only steps, logs, evaluates and s
 import dataclasses
 import functools
 import pathlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -122,8 +122,17 @@ def _to_global(batch: dict, mesh: jax.sharding.Mesh) -> dict:
   return batch
 
 
-def state_layout(config, module, tx, example: dict, mesh, rules) -> tuple[Callable, Any, Any]:
-  """(init_fn, the boxed abstract params, the state's shardings) of config's model on `mesh`.
+class StateLayout(NamedTuple):
+  """What building or restoring the train state needs, before any weight exists."""
+
+  init_fn: Callable[[], Any]  # () -> the initial state (jit it with out_shardings=shardings)
+  boxed_params: Any  # abstract params with their logical-axis boxes
+  abstract_state: Any  # jax.eval_shape(init_fn)
+  shardings: Any  # the state's shardings on the mesh
+
+
+def state_layout(config, module, tx, example: dict, mesh, rules) -> StateLayout:
+  """The train state of config's model on `mesh`, abstractly (jax.eval_shape).
 
   `example` is a batch of the run's shapes (its leading size is irrelevant).
   """
@@ -136,8 +145,9 @@ def state_layout(config, module, tx, example: dict, mesh, rules) -> tuple[Callab
   # Init is not wrapped in the rules context (sharding.with_rules says so): out_shardings
   # place the parameters.
   boxed_params = jax.eval_shape(init_params, jax.random.PRNGKey(0))
-  shardings = sharding.state_shardings(jax.eval_shape(init_fn), boxed_params, mesh, rules)
-  return init_fn, boxed_params, shardings
+  abstract_state = jax.eval_shape(init_fn)
+  shardings = sharding.state_shardings(abstract_state, boxed_params, mesh, rules)
+  return StateLayout(init_fn, boxed_params, abstract_state, shardings)
 
 
 def jit_steps(config, module, tx, schedule, shardings, mesh, rules):
@@ -184,13 +194,14 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> TrainRun:
   train_iter = data.build_train_iterator(config)
   first_batch = next(train_iter)
   example = {k: jnp.zeros((1,) + v.shape[1:], v.dtype) for k, v in first_batch.items()}
-  init_fn, boxed_params, shardings = state_layout(config, module, tx, example, mesh, rules)
+  layout = state_layout(config, module, tx, example, mesh, rules)
+  shardings = layout.shardings
 
   ckpt = checkpoint_lib.Checkpointer(workdir / "checkpoints", config.checkpoint, config.model)
   restored = None
   if config.checkpoint.resume:
     restored = ckpt.restore_latest(
-        checkpoint_lib.abstract_with_shardings(jax.eval_shape(init_fn), shardings), train_iter
+        checkpoint_lib.abstract_with_shardings(layout.abstract_state, shardings), train_iter
     )
   if restored is not None:
     state, start = restored
@@ -198,7 +209,7 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> TrainRun:
     if is_main:
       print(f"resumed from step {start} in {ckpt.directory}", flush=True)
   else:
-    state = jax.jit(init_fn, out_shardings=shardings)()
+    state = jax.jit(layout.init_fn, out_shardings=shardings)()
     start = 0
 
   train_step, eval_step = jit_steps(config, module, tx, schedule, shardings, mesh, rules)
@@ -206,7 +217,7 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> TrainRun:
       config, module, eval_step, to_global, sharding.replicated(mesh)
   )
   model_config = models.ModelConfig.from_config(config.model)
-  counts = model_summary.count_params(model_config, nn.unbox(boxed_params))
+  counts = model_summary.count_params(model_config, nn.unbox(layout.boxed_params))
   flops_per_token = model_summary.flops_per_token(
       model_config, counts, *model_summary.sequence_lengths(config)
   )
