@@ -18,7 +18,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from tx_jax.data import sources, tasks, tokenizers
+from tx_jax.data import sources, tasks, tokenizers, window_shuffle
 
 # Tasks whose documents are cut into chunks (many examples per record).
 _CHUNKED = ("lm", "mlm", "span_corruption")
@@ -243,15 +243,6 @@ def _rename_packed(row: dict) -> dict:
   }
 
 
-class _Flatten(grain.experimental.FlatMapTransform):
-  """A record's list of examples -> the examples."""
-
-  max_fan_out = 1 << 30
-
-  def flat_map(self, element):
-    return element
-
-
 def _regular_ids(data_cfg, tok) -> np.ndarray:
   if data_cfg.task == "mlm" and tok.mask_id is None:
     raise ValueError(
@@ -333,10 +324,7 @@ def _shard_stream(
       )
   )
   if chunked:  # a document's chunks, window-shuffled: they would otherwise arrive in text order
-    ds = grain.experimental.FlatMapIterDataset(ds, _Flatten())
-    ds = grain.experimental.WindowShuffleIterDataset(
-        ds, window_size=data_cfg.lm_shuffle_window, seed=seed
-    )
+    ds = window_shuffle.WindowShuffleRows(ds, window_size=data_cfg.lm_shuffle_window, seed=seed)
   if data_cfg.task in ("mlm", "span_corruption"):
     ds = ds.random_map(
         functools.partial(random_step, data_cfg=data_cfg, tok=tok, regular_ids=regular_ids),
@@ -422,11 +410,18 @@ def check_global_rows(
 ) -> jax.sharding.NamedSharding:
   """The batch sharding over `data_axes`, once the global row count divides over them."""
   axes = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
+  global_rows = next(iter(jax.tree.leaves(local_batch))).shape[0] * jax.process_count()
+  return _rows_sharding(global_rows, mesh, axes)
+
+
+@functools.lru_cache(maxsize=64)  # the loop checks every batch: ~0.05 ms each uncached
+def _rows_sharding(
+    global_rows: int, mesh: jax.sharding.Mesh, axes: tuple[str, ...]
+) -> jax.sharding.NamedSharding:
   unknown = [a for a in axes if a not in mesh.shape]
   if unknown:
     raise ValueError(f"data axes {unknown} are not mesh axes {tuple(mesh.shape)}")
   shards = math.prod(mesh.shape[a] for a in axes)
-  global_rows = next(iter(jax.tree.leaves(local_batch))).shape[0] * jax.process_count()
   if global_rows % shards:
     raise ValueError(
         f"global batch {global_rows} rows does not divide over data axes {axes} "
