@@ -124,6 +124,13 @@ def interleaved(
   return timer.wall, timer.cores
 
 
+def seconds(fn: Callable[[], object]) -> float:
+  """Wall seconds of one call of fn."""
+  start = time.perf_counter()
+  fn()
+  return time.perf_counter() - start
+
+
 def median(values: list[float]) -> float | None:
   return statistics.median(values) if values else None
 

@@ -96,11 +96,19 @@ def compare(shape: Shape, options: Options, *, minimal_torch: bool, torch_compil
   batch = next(data.build_train_iterator(config))
   jax_step = models.jax_step(config, batch)
   jax_step()  # compile
-  start = time.perf_counter()
-  jax_step()
+
+  def four_steps() -> None:  # back to back, as they will be timed
+    for _ in range(3):
+      jax_step(wait=False)
+    jax_step()
+
   # One call of each runner should last ~CALL_SECONDS so timer noise and one-off stalls
-  # stay small against it.
-  calls = max(1, round((0.05 if options.smoke else CALL_SECONDS) / (time.perf_counter() - start)))
+  # stay small against it. Estimated from back-to-back steps, twice: a lone step waits for
+  # its own dispatch, and the first steps after compiling also grow the heap
+  # (tx_jax.host_memory); one such step once read as 5 steps per call instead of 30.
+  step_seconds = min(common.seconds(four_steps) for _ in range(2)) / 4
+  # At least 2, so that each call, like each trainer window, overlaps dispatch with a step.
+  calls = max(2, round((0.05 if options.smoke else CALL_SECONDS) / step_seconds))
   repeat = lambda fn: lambda: [fn() for _ in range(calls)]  # noqa: E731
 
   def back_to_back(step):  # as the trainer dispatches steps: wait for the last, and never
@@ -131,7 +139,7 @@ def compare(shape: Shape, options: Options, *, minimal_torch: bool, torch_compil
   # The trainer's first windows grow the heap for its own executables (tx_jax.host_memory):
   # they and the rounds after them are recorded but left out of the medians.
   warmup = 0 if options.smoke else common.WARMUP_ROUNDS
-  log_every = max(2, calls)
+  log_every = calls  # a trainer window and a call of the bare step run as many steps
   windows = trainer_windows(config, (warmup + options.rounds) * log_every, log_every, lambda _: timer.round())
   wall = {name: w[warmup:] for name, w in timer.wall.items()}
   cores = {name: c[warmup:] for name, c in timer.cores.items()}
