@@ -31,18 +31,16 @@ def lm_examples(ids: Sequence[int], seq_len: int) -> list[dict[str, np.ndarray]]
   """Causal LM: a document's ids (eos-terminated) cut into windows of seq_len predictions.
 
   Windows overlap by one token so that every token after the first is a target
-  exactly once; windows with nothing to predict are dropped.
+  exactly once; windows with nothing to predict are dropped. Rows are read-only views
+  (one long document is ~16k rows per epoch; the batcher copies them).
   """
+  ones = np.ones(seq_len, np.float32)
+  ones.flags.writeable = False
   out = []
   for piece in chunk(ids, seq_len + 1, overlap=1):
     if len(piece) >= 2:
-      out.append(
-          {
-              "inputs": piece[:-1],
-              "targets": piece[1:],
-              "weights": np.ones(len(piece) - 1, np.float32),
-          }
-      )
+      piece.flags.writeable = False
+      out.append({"inputs": piece[:-1], "targets": piece[1:], "weights": ones[: len(piece) - 1]})
   return out
 
 

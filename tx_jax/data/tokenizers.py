@@ -43,7 +43,7 @@ class ByteTokenizer:
 
   def encode(self, text: str) -> list[int]:
     """Text -> ids (no bos/eos added)."""
-    return [b + self._offset for b in text.encode("utf-8")]
+    return (np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32) + self._offset).tolist()
 
   def decode(self, ids: Iterable[int]) -> str:
     """Ids -> text; special ids are dropped, sentinels rendered as <extra_id_i>."""
