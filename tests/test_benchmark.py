@@ -8,6 +8,7 @@ import json
 import math
 import os
 import pathlib
+import statistics
 import subprocess
 import sys
 import time
@@ -48,6 +49,18 @@ def test_rounds_record_each_call_and_the_calling_threads_cpu():
   assert all(w >= 0.05 for w in timer.wall["sleep"])
   assert max(timer.thread_cpu["sleep"]) < 0.02 < min(timer.wall["sleep"])  # asleep, not busy
   assert min(timer.thread_cpu["spin"]) > 0
+
+
+def test_matmul_peak_records_one_flop_rate_per_call_against_a_numpy_product():
+  peak = common.MatmulPeak("jax", 64)
+  peak()
+  peak()
+  assert len(peak.flops) == 2 and min(peak.flops) > 0
+  torch_peak = common.MatmulPeak("torch", 64)
+  torch_peak()
+  assert len(torch_peak.flops) == 1
+  with pytest.raises(ValueError, match="framework='tf'"):
+    common.MatmulPeak("tf", 64)
 
 
 def test_minimal_torch_gpt_starts_at_uniform_loss():
@@ -101,6 +114,13 @@ def test_smoke_run_writes_every_section_and_the_names_scripts_rely_on(tmp_path, 
   ):
     assert key in report["train"], key
   assert report["train"]["step_tokens_per_sec"] > 0 and report["train"]["mfu"] > 0
+  # MFU is paired by round: each trainer window over the matmul peak timed in its round.
+  train = report["train"]
+  peaks, windows = train["matmul_peak_flops_all"], train["trainer_windows_tokens_per_sec"]
+  assert len(peaks) == len(windows) == len(train["torch_matmul_peak_flops_all"])
+  assert min(peaks) > 0
+  per_round = [t * train["flops_per_token"] / p for t, p in zip(windows, peaks)]
+  assert train["mfu"] == pytest.approx(statistics.median(per_round))
   for key in ("loop_overhead", "loop_overhead_paired", "trainer_thread_cpu_ms_per_step"):
     assert isinstance(report["train"][key], float), key
   rows = report["attention"]["rows"]

@@ -8,7 +8,6 @@ and a slow minute should hit every contestant alike.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import statistics
 import time
@@ -142,34 +141,38 @@ def ratio(a: float | None, b: float | None) -> float | None:
   return a / b
 
 
-def jax_matmul_peak(size: int, repeats: int = 5) -> float:
-  """fp32 FLOP/s of one jitted [size, size] @ [size, size] in XLA (best of `repeats`)."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp
+class MatmulPeak:
+  """A `Rounds` runner: each call times REPEATS fp32 [size, size] @ [size, size] GEMMs in
+  one framework and appends the best FLOP/s to `flops`.
 
-  a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
-  matmul = jax.jit(lambda x: x @ x)
-  matmul(a).block_until_ready()
-  best = math.inf
-  for _ in range(repeats):
-    start = time.perf_counter()
-    matmul(a).block_until_ready()
-    best = min(best, time.perf_counter() - start)
-  return 2.0 * size**3 / best
+  Timed in every round beside the contestants, so each round's MFU divides by the peak of
+  the same minute of this shared machine: measured once per run, the peak read 340 and
+  421 GFLOP/s on two runs of the same code, and once below a GEMM of the step itself.
+  """
 
+  REPEATS = 10
 
-def torch_matmul_peak(size: int, repeats: int = 5) -> float:
-  """fp32 FLOP/s of one [size, size] @ [size, size] in PyTorch (best of `repeats`)."""
-  import torch  # pylint: disable=g-import-not-at-top
+  def __init__(self, framework: str, size: int):
+    self.size, self.flops = size, []
+    if framework == "jax":
+      import jax  # pylint: disable=g-import-not-at-top
+      import jax.numpy as jnp
 
-  a = torch.randn(size, size)
-  a @ a
-  best = math.inf
-  for _ in range(repeats):
-    start = time.perf_counter()
-    a @ a
-    best = min(best, time.perf_counter() - start)
-  return 2.0 * size**3 / best
+      a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
+      matmul = jax.jit(lambda x: x @ x)
+      self._gemm = lambda: matmul(a).block_until_ready()
+    elif framework == "torch":
+      import torch  # pylint: disable=g-import-not-at-top
+
+      b = torch.randn(size, size)
+      self._gemm = lambda: b @ b
+    else:
+      raise ValueError(f"framework={framework!r}; accepted: 'jax', 'torch'")
+    self._gemm()  # compile / first touch
+
+  def __call__(self) -> None:
+    best = min(seconds(self._gemm) for _ in range(self.REPEATS))
+    self.flops.append(2.0 * self.size**3 / best)
 
 
 def gemm_times(m: int, k: int, n: int, rounds: int) -> dict:

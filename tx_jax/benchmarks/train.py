@@ -7,8 +7,8 @@ trainer (`tx_jax.train.loop.train_and_evaluate`, Tiny Shakespeare through the da
 pipeline) drives the rounds: one after each of its log windows. tx_jax runs on
 shape.cpu_devices CPU devices (config.mesh.cpu_devices: 2 for the bench config, 1 for
 `small`); the same step on the other choice is a contestant too, to show what it buys.
-MFU = model FLOPs (the dry run's formula) / the fp32 matmul peak measured in the same
-process, for each framework against its own peak.
+MFU = model FLOPs (the dry run's formula) / the fp32 matmul peak timed in the same rounds
+(round by round, then the median), for each framework against its own peak.
 """
 
 from __future__ import annotations
@@ -134,7 +134,9 @@ def compare(shape: Shape, options: Options, *, minimal_torch: bool, torch_compil
   if minimal_torch:
     gpt = torch_gpt.GPT(shape.vocab, shape.d_model, shape.num_layers, shape.num_heads, shape.seq_len)
     runners["torch_minimal_eager"] = repeat(models.torch_step(gpt, shape, models.minimal_loss, False))
-  timer = common.Rounds(runners)
+  # The matmul peak of each framework is timed in every round too (MFU per round, below).
+  peaks = {fw: common.MatmulPeak(fw, PEAK_SIZE) for fw in ("jax", "torch")}
+  timer = common.Rounds({**runners, **{f"{fw}_matmul_peak": peak for fw, peak in peaks.items()}})
   timer.warm()
   # The trainer's first windows grow the heap for its own executables (tx_jax.host_memory):
   # they and the rounds after them are recorded but left out of the medians.
@@ -169,18 +171,27 @@ def compare(shape: Shape, options: Options, *, minimal_torch: bool, torch_compil
   result["loop_overhead_paired"] = common.median(paired)
   result["loop_overhead_paired_all"] = paired
 
-  jax_peak, torch_peak = common.jax_matmul_peak(PEAK_SIZE), common.torch_matmul_peak(PEAK_SIZE)
+  # MFU per round: that round's tokens/s over that round's peak, then the median. The
+  # trainer's window i and round i's peak ran within seconds of each other.
   flops = flops_per_token(config)
+  jax_peaks, torch_peaks = (peaks[fw].flops[-len(windows) :] for fw in ("jax", "torch"))
+
+  def mfu(tokens_per_sec: list[float], peak_flops: list[float]) -> float:
+    return common.median([t * flops / p for t, p in zip(tokens_per_sec, peak_flops)])
+
+  per_call = {name: [tokens / w for w in wall[name]] for name in runners}
   result.update(
       flops_per_token=flops,
-      matmul_peak_flops=jax_peak,
-      torch_matmul_peak_flops=torch_peak,
-      mfu=result["tokens_per_sec"] * flops / jax_peak,
-      step_mfu=result["step_tokens_per_sec"] * flops / jax_peak,
-      torch_eager_mfu=result["torch_eager_tokens_per_sec"] * flops / torch_peak,
+      matmul_peak_flops=common.median(jax_peaks),
+      matmul_peak_flops_all=jax_peaks,
+      torch_matmul_peak_flops=common.median(torch_peaks),
+      torch_matmul_peak_flops_all=torch_peaks,
+      mfu=mfu(result["trainer_windows_tokens_per_sec"], jax_peaks),
+      step_mfu=mfu(per_call["step"], jax_peaks),
+      torch_eager_mfu=mfu(per_call["torch_eager"], torch_peaks),
   )
-  if result["torch_compile_tokens_per_sec"] is not None:
-    result["torch_compile_mfu"] = result["torch_compile_tokens_per_sec"] * flops / torch_peak
+  if "torch_compile" in per_call:
+    result["torch_compile_mfu"] = mfu(per_call["torch_compile"], torch_peaks)
   best_torch_eager = max(
       v for k, v in result.items() if k.startswith("torch_") and k.endswith("eager_tokens_per_sec")
   )
