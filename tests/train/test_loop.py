@@ -1,5 +1,6 @@
 """train_and_evaluate in-process: NaN batches skipped or aborting, outputs, locked-config typos."""
 
+import gc
 import json
 import subprocess
 import sys
@@ -111,6 +112,20 @@ def test_locked_config_typo_names_the_key():
   assert "trian" in out.stderr
 
 
+def test_frozen_for_gc_keeps_an_earlier_freeze():
+  gc.freeze()
+  try:
+    with loop.FrozenForGC() as heap:
+      heap.freeze()
+    assert gc.get_freeze_count() > 0  # someone else's freeze is theirs to undo
+  finally:
+    gc.unfreeze()
+  with loop.FrozenForGC() as heap:
+    heap.freeze()
+    assert gc.get_freeze_count() > 0
+  assert gc.get_freeze_count() == 0
+
+
 def test_after_log_runs_after_each_logged_step_outside_the_throughput_clock(tmp_path):
   """The hook sees its step's line already written, and its time is not training time."""
   corpus = runs.write_corpus(tmp_path / "corpus.txt")
@@ -124,10 +139,15 @@ def test_after_log_runs_after_each_logged_step_outside_the_throughput_clock(tmp_
   def after_log(step):
     logged = [json.loads(l)["step"] for l in metrics_path.read_text().splitlines()]
     seen.append((step, logged[-1]))
+    frozen.append(gc.get_freeze_count())
     time.sleep(hook_seconds)
 
+  frozen = []
+  assert gc.get_freeze_count() == 0
   loop.train_and_evaluate(config, tmp_path / "w", after_log=after_log)
   assert seen == [(2, 2), (4, 4), (6, 6), (8, 8)]
+  # Set-up and the compiled step are frozen out of the GC while the loop runs, not after.
+  assert min(frozen) > 10_000 and gc.get_freeze_count() == 0
   rows = [json.loads(l) for l in metrics_path.read_text().splitlines()]
   window_tokens = 2 * 8 * 16  # log_every steps of 8 rows x 16 tokens
   # Were the sleep counted, each window after the first would read < tokens / 1 s.
