@@ -97,35 +97,30 @@ def compare(shape: Shape, options: Options, *, minimal_torch: bool, torch_compil
   jax_step = models.jax_step(config, batch)
   jax_step()  # compile
 
-  def four_steps() -> None:  # back to back, as they will be timed
-    for _ in range(3):
-      jax_step(wait=False)
-    jax_step()
-
-  # One call of each runner should last ~CALL_SECONDS so timer noise and one-off stalls
-  # stay small against it. Estimated from back-to-back steps, twice: a lone step waits for
-  # its own dispatch, and the first steps after compiling also grow the heap
-  # (tx_jax.host_memory); one such step once read as 5 steps per call instead of 30.
-  step_seconds = min(common.seconds(four_steps) for _ in range(2)) / 4
-  # At least 2, so that each call, like each trainer window, overlaps dispatch with a step.
-  calls = max(2, round((0.05 if options.smoke else CALL_SECONDS) / step_seconds))
-  repeat = lambda fn: lambda: [fn() for _ in range(calls)]  # noqa: E731
-
-  def back_to_back(step):  # as the trainer dispatches steps: wait for the last, and never
-    def run() -> None:  # run more than MAX_PENDING ahead
-      for i in range(1, calls):
+  def back_to_back(step, steps: int):  # as the trainer dispatches steps: wait for the last,
+    def run() -> None:  # and never run more than MAX_PENDING ahead
+      for i in range(1, steps):
         step(wait=i % metrics_lib.MetricsWindow.MAX_PENDING == 0)
       step()
 
     return run
 
-  runners = {"step": back_to_back(jax_step)}
+  # One call of each runner should last ~CALL_SECONDS so timer noise and one-off stalls
+  # stay small against it. Estimated from back-to-back steps, twice: a lone step waits for
+  # its own dispatch, and the first steps after compiling also grow the heap
+  # (tx_jax.host_memory); one such step once read as 5 steps per call instead of 30.
+  step_seconds = min(common.seconds(back_to_back(jax_step, 4)) for _ in range(2)) / 4
+  # At least 2, so that each call, like each trainer window, overlaps dispatch with a step.
+  calls = max(2, round((0.05 if options.smoke else CALL_SECONDS) / step_seconds))
+  repeat = lambda fn: lambda: [fn() for _ in range(calls)]  # noqa: E731
+
+  runners = {"step": back_to_back(jax_step, calls)}
   # What config.mesh.cpu_devices buys: the same step on the other choice of 1 or 2 devices.
   other = 1 if shape.cpu_devices > 1 else 2
   if other <= len(jax.devices()):
     other_config = config.copy_and_resolve_references()
     other_config.mesh.cpu_devices = other
-    runners["step_other_devices"] = back_to_back(models.jax_step(other_config, batch))
+    runners["step_other_devices"] = back_to_back(models.jax_step(other_config, batch), calls)
   runners["torch_eager"] = repeat(models.torch_step(models.hf_gpt2(shape), shape, models.hf_loss, False))
   if torch_compile:
     runners["torch_compile"] = repeat(

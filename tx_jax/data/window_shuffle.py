@@ -54,7 +54,7 @@ class _WindowShuffleRowsIterator(grain.DatasetIterator):
     self._record_rows: Sequence[Any] = ()
     self._record_offset = 0  # rows of _record_rows already placed in windows
     self._window: list[Any] = []  # the rest of the current window, next row last
-    self._window_start = self._position()
+    self._window_start: tuple[Any, int] | None = None  # its position; set when filled
     self._window_index = 0
     self._pos_in_window = 0
     self._exhausted = False
@@ -68,7 +68,7 @@ class _WindowShuffleRowsIterator(grain.DatasetIterator):
   def _seek(self, position: tuple[Any, int]) -> None:
     state, offset = position
     self._parent.set_state(copy.deepcopy(state))
-    self._record_state, self._record_rows, self._record_offset = state, (), 0
+    self._record_state, self._record_rows, self._record_offset = copy.deepcopy(state), (), 0
     self._exhausted = False
     if offset:
       if not self._next_record() or offset > len(self._record_rows):
