@@ -1,7 +1,8 @@
 """Every attention backend equals `dense`, forward and gradients (q, k, v, bias parameters),
 for every mask kind, GQA/MQA, T5 relative bias and ALiBi, on lengths that the block sizes
-do not divide; and `AttentionSpec` materialises the same mask and bias as an independent
-numpy construction of the rules."""
+do not divide; `dense` itself (hand-written VJP, causal query chunks) equals autodiff of
+`dense_attention` (checked against numpy in test_attention.py); and `AttentionSpec`
+materialises the same mask and bias as an independent numpy construction of the rules."""
 
 import functools
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from tx_jax.layers import masks
-from tx_jax.layers.attention_backends import BACKENDS, dense, get_backend
+from tx_jax.layers.attention_backends import BACKENDS, dense, dense_attention, get_backend
 from tx_jax.layers.attention_spec import AttentionSpec
 from tx_jax.layers.blockwise_attention import blockwise_attention
 from tx_jax.layers.pallas_attention import pallas_attention
@@ -109,9 +110,14 @@ def _loss_and_grads(attend, spec, q, k, v):
   return out, grads
 
 
-def _assert_equal_to_dense(attend, spec, q, k, v, atol=2e-5):
+def _autodiff_dense(q, k, v, spec, *, scale):
+  """The reference: `dense_attention` on the spec's whole mask and bias, under autodiff."""
+  return dense_attention(q, k, v, spec.mask()[:, None], spec.bias_logits(), scale=scale)
+
+
+def _assert_equal_to_dense(attend, spec, q, k, v, atol=2e-5, reference=dense):
   out, grads = _loss_and_grads(attend, spec, q, k, v)
-  ref_out, ref_grads = _loss_and_grads(dense, spec, q, k, v)
+  ref_out, ref_grads = _loss_and_grads(reference, spec, q, k, v)
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), atol=atol, rtol=1e-5)
   names = ["dq", "dk", "dv", "dbias"]
   for name, got, want in zip(names, grads, ref_grads):
@@ -159,6 +165,54 @@ def test_blockwise_any_block_size(blocks):
   """One-token blocks, one block larger than the sequence, unequal query/key blocks."""
   spec = _spec("causal+packing", "t5")
   _assert_equal_to_dense(_blockwise(*blocks), spec, *_qkv(2))
+
+
+def _dense_in_chunks(query_chunks):
+  return functools.partial(dense, query_chunks=query_chunks)
+
+
+# None: the default (one chunk at T = 11); 3: chunks of 4, 3, 4 queries; T: one query each.
+@pytest.mark.parametrize("query_chunks", [None, 3, T])
+@pytest.mark.parametrize("kind,num_kv_heads", MASK_CASES)
+def test_dense_equals_autodiff_of_the_reference(kind, num_kv_heads, query_chunks):
+  spec = _spec(kind)
+  q, k, v = _qkv(num_kv_heads, key_length=S if kind == "cross" else T)
+  _assert_equal_to_dense(
+      _dense_in_chunks(query_chunks), spec, q, k, v, reference=_autodiff_dense
+  )
+
+
+@pytest.mark.parametrize(
+    "kind,bias_kind,num_kv_heads",
+    [("none", "t5", N), ("causal+packing", "t5", 2), ("causal", "alibi", 1)],
+)
+def test_dense_equals_autodiff_of_the_reference_with_bias(kind, bias_kind, num_kv_heads):
+  spec = _spec(kind, bias_kind)
+  _assert_equal_to_dense(_dense_in_chunks(3), spec, *_qkv(num_kv_heads), reference=_autodiff_dense)
+
+
+@pytest.mark.parametrize("kind", ["none", "causal+packing", "cross"])
+def test_dense_forward_is_bit_identical_to_the_reference(kind):
+  """One chunk runs the reference's very softmax; only the backward is hand-written."""
+  spec = _spec(kind)
+  q, k, v = _qkv(2, key_length=S if kind == "cross" else T)
+  got = jax.jit(_dense_in_chunks(1), static_argnames="scale")(q, k, v, spec, scale=SCALE)
+  want = jax.jit(_autodiff_dense, static_argnames="scale")(q, k, v, spec, scale=SCALE)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_dense_chunks_only_causal_self_attention():
+  from tx_jax.layers.attention_backends import _causal_chunk_bounds  # pylint: disable=g-import-not-at-top
+
+  long_causal = AttentionSpec.self_attention(jnp.ones((1, 256), jnp.int32), causal=True)
+  assert _causal_chunk_bounds(long_causal, None) == [0, 64, 128, 192, 256]
+  assert _causal_chunk_bounds(long_causal.replace(causal=False), None) == [0, 256]
+  # Indices given by the caller: key order need not be query order, so no chunks.
+  custom_index = AttentionSpec.self_attention(
+      jnp.ones((1, 256), jnp.int32), causal=True, index_BT=jnp.zeros((1, 256), jnp.int32)
+  )
+  assert _causal_chunk_bounds(custom_index, None) == [0, 256]
+  assert _causal_chunk_bounds(_spec("causal"), None) == [0, T]  # shorter than two chunks
 
 
 def test_rows_with_no_visible_key_give_zero():
