@@ -38,6 +38,10 @@ class Shape:
   # tokens per step (tiny-shakespeare, the bench config); below, their collectives cost
   # more than they save (docs/performance.md, "Two CPU devices").
   cpu_devices: int = 1
+  # The mesh axis those devices form: "data" (params replicated) or "fsdp" (params and
+  # optimizer state split, ZeRO-3). fsdp halves each device's AdamW work and pays per-layer
+  # all-gathers: bench step 1.046x over data, tiny-shakespeare 0.915x (docs/performance.md).
+  mesh_axis: str = "data"
 
   @property
   def tokens(self) -> int:
@@ -45,7 +49,8 @@ class Shape:
 
 
 BENCH = Shape(
-    num_layers=6, d_model=512, num_heads=8, seq_len=256, batch=8, vocab=8192, cpu_devices=2
+    num_layers=6, d_model=512, num_heads=8, seq_len=256, batch=8, vocab=8192, cpu_devices=2,
+    mesh_axis="fsdp",
 )
 SMALL = Shape(num_layers=4, d_model=128, num_heads=4, seq_len=64, batch=12, vocab=360)
 SMOKE = Shape(num_layers=2, d_model=32, num_heads=2, seq_len=16, batch=2, vocab=360)  # >= the byte ids

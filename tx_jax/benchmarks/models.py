@@ -15,7 +15,8 @@ def jax_config(shape: Shape, data_dir: str = "") -> ml_collections.ConfigDict:
   """configs/gpt.py:tiny reshaped to `shape` (GPT-2 style, fp32, dropout 0, AdamW).
 
   It runs on shape.cpu_devices CPU devices (config.mesh.cpu_devices), the first of the
-  configs/gpt.py:CPU_DEVICES that runner.run starts the benchmark's process with.
+  configs/gpt.py:CPU_DEVICES that runner.run starts the benchmark's process with, as a
+  shape.mesh_axis mesh axis (data or fsdp).
 
   With data_dir, the data section reads Tiny Shakespeare byte-level, unpacked as
   configs/gpt.py:tiny-shakespeare ships it (its rows are whole chunks: packing would only
@@ -32,6 +33,8 @@ def jax_config(shape: Shape, data_dir: str = "") -> ml_collections.ConfigDict:
   m.dropout_rate = m.attention_dropout_rate = 0.0
   config.data.seq_len, config.data.global_batch_size = shape.seq_len, shape.batch
   config.mesh.cpu_devices = shape.cpu_devices
+  if shape.mesh_axis == "fsdp":  # the devices split params and optimizer state (ZeRO-3)
+    config.mesh.data, config.mesh.fsdp = 1, -1
   if data_dir:
     train_defaults.tiny_shakespeare(config, task="lm")
     config.data.manual_dir = str(pathlib.Path(data_dir) / "tinyshakespeare")

@@ -5,8 +5,9 @@ In one process, interleaved round by round: tx_jax's jitted `train_step` alone, 
 torch.compile, and for `small` also the minimal PyTorch GPT of torch_gpt.py. The real
 trainer (`tx_jax.train.loop.train_and_evaluate`, Tiny Shakespeare through the data
 pipeline) drives the rounds: one after each of its log windows. tx_jax runs on
-shape.cpu_devices CPU devices (config.mesh.cpu_devices: 2 for the bench config, 1 for
-`small`); the same step on the other choice is a contestant too, to show what it buys.
+shape.cpu_devices CPU devices (config.mesh.cpu_devices: 2 for the bench config, as an
+fsdp axis; 1 for `small`); the same step on the other choice is a contestant too, to show
+what it buys.
 MFU = model FLOPs (the dry run's formula) / the fp32 matmul peak timed in the same rounds
 (round by round, then the median), for each framework against its own peak.
 """
