@@ -12,7 +12,13 @@ import numpy as np
 import pytest
 
 from tx_jax.layers import masks
-from tx_jax.layers.attention_backends import BACKENDS, dense, dense_attention, get_backend
+from tx_jax.layers.attention_backends import (
+    BACKENDS,
+    _causal_chunk_bounds,
+    dense,
+    dense_attention,
+    get_backend,
+)
 from tx_jax.layers.attention_spec import AttentionSpec
 from tx_jax.layers.blockwise_attention import blockwise_attention
 from tx_jax.layers.pallas_attention import pallas_attention
@@ -202,8 +208,6 @@ def test_dense_forward_is_bit_identical_to_the_reference(kind):
 
 
 def test_dense_chunks_only_causal_self_attention():
-  from tx_jax.layers.attention_backends import _causal_chunk_bounds  # pylint: disable=g-import-not-at-top
-
   long_causal = AttentionSpec.self_attention(jnp.ones((1, 256), jnp.int32), causal=True)
   assert _causal_chunk_bounds(long_causal, None) == [0, 64, 128, 192, 256]
   assert _causal_chunk_bounds(long_causal.replace(causal=False), None) == [0, 256]

@@ -246,27 +246,34 @@ def dense(
         dropout_rng=dropout_rng,
         deterministic=deterministic,
     )
-  num_kv_heads = k_BSKH.shape[2]
   bounds = _causal_chunk_bounds(spec, query_chunks)
-  outputs = []
-  chunked = len(bounds) > 2
-  for start, end in zip(bounds[:-1], bounds[1:]):
-    # A chunk's queries see no key after its last query: those keys are left out.
-    keys_end = end if chunked else k_BSKH.shape[1]
-    chunk = spec.queries(start, end - start).keys(0, keys_end) if chunked else spec
-    q_BTKGH = _group_queries(q_BTNH[:, start:end], num_kv_heads)
-    bias = chunk.bias_logits()
-    out_BKGTH = _softmax_attention(
-        q_BTKGH,
-        k_BSKH[:, :keys_end],
-        v_BSKH[:, :keys_end],
-        chunk.mask()[:, None],
-        bias,
-        scale,
-        None if bias is None else bias.shape,
-    )
-    outputs.append(jnp.moveaxis(out_BKGTH, 3, 1).reshape(q_BTKGH.shape[:2] + q_BTNH.shape[2:]))
-  return outputs[0] if len(outputs) == 1 else jnp.concatenate(outputs, axis=1)
+  if len(bounds) == 2:
+    return _attend(q_BTNH, k_BSKH, v_BSKH, spec, scale)
+  # A chunk's queries see no key after its last query: those keys are left out.
+  outputs = [
+      _attend(
+          q_BTNH[:, start:end],
+          k_BSKH[:, :end],
+          v_BSKH[:, :end],
+          spec.queries(start, end - start).keys(0, end),
+          scale,
+      )
+      for start, end in zip(bounds[:-1], bounds[1:])
+  ]
+  return jnp.concatenate(outputs, axis=1)
+
+
+def _attend(
+    q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, spec: AttentionSpec, scale: float
+) -> Array:
+  """`_softmax_attention` over the spec's whole mask and bias, as [B, T, N, H]."""
+  q_BTKGH = _group_queries(q_BTNH, k_BSKH.shape[2])
+  bias = spec.bias_logits()
+  bias_shape = None if bias is None else bias.shape
+  out_BKGTH = _softmax_attention(
+      q_BTKGH, k_BSKH, v_BSKH, spec.mask()[:, None], bias, scale, bias_shape
+  )
+  return jnp.moveaxis(out_BKGTH, 3, 1).reshape(q_BTNH.shape)
 
 
 def _no_dropout(backend: str, dropout_rate: float, deterministic: bool) -> None:
