@@ -308,21 +308,29 @@ def cudnn(
         f"model.attention_backend='cudnn' computes in bfloat16 or float16, got {q_BTNH.dtype}; "
         "set model.dtype='bfloat16' or use 'dense' / 'blockwise'"
     )
+  # cuDNN's training kernels refuse odd lengths once a mask or bias is given: pad T and S
+  # to even with masked keys (the padded query rows are dropped below).
+  batch, length, num_heads, _ = q_BTNH.shape
+  key_length = k_BSKH.shape[1]
+  pad_t, pad_s = length % 2, key_length % 2
   mask_B1TS = spec.mask()[:, None]
   bias_BNTS = spec.bias_logits()
   if bias_BNTS is not None:
-    bias_BNTS = jnp.broadcast_to(
-        bias_BNTS, (q_BTNH.shape[0], q_BTNH.shape[2], q_BTNH.shape[1], k_BSKH.shape[1])
-    ).astype(q_BTNH.dtype)
+    bias_BNTS = jnp.broadcast_to(bias_BNTS, (batch, num_heads, length, key_length))
+    bias_BNTS = jnp.pad(bias_BNTS, ((0, 0), (0, 0), (0, pad_t), (0, pad_s))).astype(q_BTNH.dtype)
+  pad_seq = lambda x, n: jnp.pad(x, ((0, 0), (0, n), (0, 0), (0, 0)))  # noqa: E731
   out = jax.nn.dot_product_attention(
-      q_BTNH,
-      k_BSKH,
-      v_BSKH,
+      pad_seq(q_BTNH, pad_t),
+      pad_seq(k_BSKH, pad_s),
+      pad_seq(v_BSKH, pad_s),
       bias=bias_BNTS,
-      mask=mask_B1TS,
+      mask=jnp.pad(mask_B1TS, ((0, 0), (0, 0), (0, pad_t), (0, pad_s))),
       scale=scale,
+      # The mask already holds causality; the flag also lets cuDNN skip the key blocks
+      # above the diagonal instead of computing and masking them.
+      is_causal=spec.causal,
       implementation="cudnn",
-  )
+  )[:, :length]
   return _zero_fully_masked_rows(out, mask_B1TS)
 
 
