@@ -6,8 +6,8 @@
 `run` imports the heavy libraries once, then forks one child per case that runs
 `python -m experiments.<entry> <args>` in-process (runpy, as `-m` does), so a case costs
 its own work, not ~5 s of imports. The parent never initialises a JAX backend, so the
-children may. Every file under a `checkpoints*` directory of ROOT is hashed before and
-after each case; a result lists the files that changed.
+children may. Every file under a `checkpoints*` directory of ROOT, and the config.json
+beside it, is hashed before and after each case; a result lists the files that changed.
 """
 
 from __future__ import annotations
@@ -24,13 +24,15 @@ CASE_TIMEOUT_S = 120  # a hung case is killed; the test asserts far less (30 s)
 
 
 def snapshot(root: pathlib.Path) -> dict[str, str]:
-  """sha1 of every file below any checkpoints* directory of root."""
+  """sha1 of every file below any checkpoints* directory of root, and of the config.json
+  beside it (the run's record of its config, which a refused command must not rewrite)."""
   out = {}
   for directory in root.rglob("checkpoints*"):
     if directory.is_dir():
-      for path in directory.rglob("*"):
-        if path.is_file():
-          out[str(path.relative_to(root))] = hashlib.sha1(path.read_bytes()).hexdigest()
+      paths = [p for p in directory.rglob("*") if p.is_file()]
+      paths += [p for p in [directory.parent / "config.json"] if p.is_file()]
+      for path in paths:
+        out[str(path.relative_to(root))] = hashlib.sha1(path.read_bytes()).hexdigest()
   return out
 
 

@@ -1,7 +1,8 @@
 """Bad inputs to train, decode, convert and train_tokenizer: one `error:` line, fast, no damage.
 
 Every case asserts the exit code (2: usage / config, 1: run time), that the one error line
-names the field or file, that no file under any checkpoints*/ directory changed, and that
+names the field or file, that no file under any checkpoints*/ directory (nor the run's
+config.json) changed, and that
 it took under 30 s (no network wait: offline data fails at once). The cases run in one
 subprocess that forks per case after importing the libraries once (tests/bad_input_runner.py),
 and three of them again as real `python -m` processes.
@@ -97,6 +98,11 @@ CASES = [
          env={"TX_JAX_DATA_DIR": "{ROOT}/empty_data_dir"}),
     case("Multi30k without its vocabulary", "train", ["--config=configs/transformer.py:multi30k",
          "--config.data.spm_model_path={ROOT}/absent.model"], 2, "data.spm_model_path"),
+    case("GPU attention on a CPU, trained workdir", "train", [*_TR, _RUN, *_SMALL,
+         "--config.model.attention_backend=cudnn", "--config.model.dtype=bfloat16"], 2,
+         "attention_backend='cudnn'", "needs an NVIDIA GPU"),
+    case("pallas without cross-attention", "train", [*_TR, "--config.model.attention_backend=pallas"],
+         2, "attention_backend='pallas'", "cross-attention"),
     case("resume with another d_model", "train", [*_TR, _RUN, *_SMALL,
          "--config.model.d_model=64"], 2, "model.d_model=32, the config says 64"),
     case("checkpoint of another shape", "train", ["--config=configs/transformer.py:tiny",

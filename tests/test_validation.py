@@ -31,6 +31,21 @@ from tx_jax import checkpoint, cli, validation
         (gpt.get_config, {"mesh.data": 3}, r"config.mesh"),
         (gpt.get_config, {"train.steps": 0}, r"train.steps=0"),
         (gpt.get_config, {"checkpoint.keep": 0}, r"checkpoint.keep=0"),
+        # Backends' limits, before the workdir is written (they used to fail at trace time).
+        (gpt.get_config, {"model.attention_backend": "cudnn"}, r"dtype='float32'"),
+        (
+            gpt.get_config,
+            {"model.attention_backend": "cudnn", "model.dtype": "bfloat16"},
+            r"attention_backend='cudnn' needs an NVIDIA GPU, but JAX runs on 'cpu'",
+        ),
+        (gpt.get_config, {"model.attention_backend": "pallas"}, r"'pallas' needs an NVIDIA GPU"),
+        (t5.get_config, {"model.attention_backend": "pallas"}, r"positions='relative'"),
+        (transformer.get_config, {"model.attention_backend": "pallas"}, r"cross-attention"),
+        (
+            gpt.get_config,
+            {"model.attention_backend": "blockwise", "model.attention_dropout_rate": 0.1},
+            r"'blockwise' has no attention dropout.*attention_dropout_rate=0.1",
+        ),
     ],
 )
 def test_train_config_names_the_field(make, overrides, match):

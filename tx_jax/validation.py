@@ -116,6 +116,50 @@ def vocabulary_fits(config: ml_collections.ConfigDict) -> None:
   pipeline.check_vocab(config)  # only span corruption emits the sentinels on top
 
 
+# What each attention backend cannot do (tx_jax.layers.attention_backends raises the same
+# at trace time, after the workdir is written): checked here first.
+GPU_BACKENDS = ("cudnn", "pallas")
+NO_DROPOUT_BACKENDS = ("blockwise", "cudnn", "pallas")
+
+
+def attention_backend_supported(config: ml_collections.ConfigDict) -> None:
+  """The model's features against config.model.attention_backend's, on any machine."""
+  m = config.model
+  backend = m.attention_backend
+  where = f"config.model.attention_backend={backend!r}"
+  if backend in NO_DROPOUT_BACKENDS and m.attention_dropout_rate > 0:
+    raise ValueError(
+        f"{where} has no attention dropout, but config.model.attention_dropout_rate="
+        f"{m.attention_dropout_rate}; set it to 0 or use 'dense'"
+    )
+  if backend == "cudnn" and m.dtype not in ("bfloat16", "float16"):
+    raise ValueError(
+        f"{where} computes in bfloat16 or float16, but config.model.dtype={m.dtype!r}; "
+        "set config.model.dtype='bfloat16' or use 'dense' / 'blockwise'"
+    )
+  if backend == "pallas":
+    if m.positions in ("relative", "alibi"):
+      raise ValueError(
+          f"{where} takes no additive bias, but config.model.positions={m.positions!r} "
+          "adds one; use 'cudnn', 'blockwise' or 'dense'"
+      )
+    if m.family == "encdec":
+      raise ValueError(
+          f"{where} has no cross-attention, which config.model.family='encdec' needs; "
+          "use 'cudnn', 'blockwise' or 'dense'"
+      )
+
+
+def attention_backend_runs_here(config: ml_collections.ConfigDict, platform: str) -> None:
+  """GPU-only backends refused on another platform (JAX's default backend name)."""
+  backend = config.model.attention_backend
+  if backend in GPU_BACKENDS and platform != "gpu":
+    raise ValueError(
+        f"config.model.attention_backend={backend!r} needs an NVIDIA GPU, but JAX runs on "
+        f"{platform!r}; use 'dense' or 'blockwise' here"
+    )
+
+
 def eval_metric_names(config: ml_collections.ConfigDict) -> list[str]:
   """The metrics one evaluation produces (tx_jax.evaluation.Evaluator.evaluate)."""
   names = ["eval_loss", "eval_accuracy"]
@@ -159,6 +203,8 @@ def train_config(
   lengths_fit(config)
   best_metric_exists(config)
   vocabulary_fits(config)
+  attention_backend_supported(config)
+  attention_backend_runs_here(config, jax.default_backend())
   sharding.validate(
       config,
       len(sharding.run_devices(config.mesh)) if num_devices is None else num_devices,

@@ -169,6 +169,7 @@ def semantic_check(runs: list[Run]) -> None:
       validation.lengths_fit(config)
       validation.best_metric_exists(config)
       validation.vocabulary_fits(config)
+      validation.attention_backend_supported(config)
     except (ValueError, TypeError, OSError) as e:
       raise SweepError(f"run {run.name}: {e}") from None
 

@@ -183,7 +183,6 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> TrainRun:
   is_main = jax.process_index() == 0
   if is_main:
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2) + "\n")
 
   mesh = sharding.make_mesh(config.mesh)
   rules = sharding.logical_rules(config)
@@ -213,6 +212,10 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> TrainRun:
     start = 0
 
   train_step, eval_step = jit_steps(config, module, tx, schedule, shardings, mesh, rules)
+  if is_main:
+    # Only now that the checkpoint restored (or none was there) and the steps built: a run
+    # refused on the way must leave the workdir's record of its config as it was.
+    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2) + "\n")
   evaluator = evaluation.Evaluator(
       config, module, eval_step, to_global, sharding.replicated(mesh)
   )
