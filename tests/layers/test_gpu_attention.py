@@ -111,8 +111,15 @@ def _bias(name, causal):
   return AlibiBias(jnp.asarray(alibi_slopes(N))) if name == "alibi" else None
 
 
-@pytest.mark.parametrize("length", [200, 201])  # 201: padded to even for cuDNN
-@pytest.mark.parametrize("kind,num_kv_heads,bias", CUDNN_CASES)
+# Every case at T = 200; two of them (packing + GQA, and a bias whose gradient is checked)
+# again at T = 201, which `cudnn` pads to even. A GPU session is short: 25 tests, ~5 min.
+CUDNN_LENGTHS = [case + (200,) for case in CUDNN_CASES] + [
+    ("causal+packing", 2, None, 201),
+    ("causal", N, "t5", 201),
+]
+
+
+@pytest.mark.parametrize("kind,num_kv_heads,bias,length", CUDNN_LENGTHS)
 def test_cudnn_equals_dense(kind, num_kv_heads, bias, length):
   key_length = 136 if kind == "cross" else length
   spec = _spec(kind, length, key_length, _bias(bias, kind.startswith("causal")))
