@@ -327,8 +327,9 @@ def cudnn(
       mask=jnp.pad(mask_B1TS, ((0, 0), (0, 0), (0, pad_t), (0, pad_s))),
       scale=scale,
       # The mask already holds causality; the flag also lets cuDNN skip the key blocks
-      # above the diagonal instead of computing and masking them.
-      is_causal=spec.causal,
+      # above the diagonal. cuDNN's causality is by array position, which is the spec's
+      # index causality only when the indices are 0..T-1 for queries and keys alike.
+      is_causal=spec.causal and spec.same_tokens,
       implementation="cudnn",
   )[:, :length]
   return _zero_fully_masked_rows(out, mask_B1TS)
