@@ -125,7 +125,9 @@ def _parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing, with bad flags and configs reported as one line, exit 2."""
   try:
     return flags.FLAGS(argv)
-  except Exception as e:  # noqa: BLE001 -- config_flags raises KeyError / ValueError too
+  # Broad on purpose: a --config file is Python that config_flags runs here, so any error
+  # it raises (NameError, ImportError, ...) is the user's input, reported as one line.
+  except Exception as e:  # noqa: BLE001
     if _debug(argv):
       traceback.print_exception(e, file=sys.stderr)
     print(f"error: {_flag_error(e, argv)} (--helpshort lists the flags)", file=sys.stderr)

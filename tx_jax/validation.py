@@ -116,23 +116,23 @@ def vocabulary_fits(config: ml_collections.ConfigDict) -> None:
   pipeline.check_vocab(config)  # only span corruption emits the sentinels on top
 
 
-# What each attention backend cannot do (tx_jax.layers.attention_backends raises the same
-# at trace time, after the workdir is written): checked here first.
-GPU_BACKENDS = ("cudnn", "pallas")
-NO_DROPOUT_BACKENDS = ("blockwise", "cudnn", "pallas")
-
-
 def attention_backend_supported(config: ml_collections.ConfigDict) -> None:
-  """The model's features against config.model.attention_backend's, on any machine."""
+  """The model's features against config.model.attention_backend's, on any machine.
+
+  The backends raise the same at trace time, after the workdir is written: checked here
+  first, from the limits `layers.attention_backends` declares.
+  """
+  from tx_jax.layers import attention_backends as ab  # pylint: disable=g-import-not-at-top
+
   m = config.model
   backend = m.attention_backend
   where = f"config.model.attention_backend={backend!r}"
-  if backend in NO_DROPOUT_BACKENDS and m.attention_dropout_rate > 0:
+  if backend in ab.NO_DROPOUT_BACKENDS and m.attention_dropout_rate > 0:
     raise ValueError(
         f"{where} has no attention dropout, but config.model.attention_dropout_rate="
         f"{m.attention_dropout_rate}; set it to 0 or use 'dense'"
     )
-  if backend == "cudnn" and m.dtype not in ("bfloat16", "float16"):
+  if backend == "cudnn" and m.dtype not in ab.CUDNN_DTYPES:
     raise ValueError(
         f"{where} computes in bfloat16 or float16, but config.model.dtype={m.dtype!r}; "
         "set config.model.dtype='bfloat16' or use 'dense' / 'blockwise'"
@@ -152,8 +152,10 @@ def attention_backend_supported(config: ml_collections.ConfigDict) -> None:
 
 def attention_backend_runs_here(config: ml_collections.ConfigDict, platform: str) -> None:
   """GPU-only backends refused on another platform (JAX's default backend name)."""
+  from tx_jax.layers import attention_backends as ab  # pylint: disable=g-import-not-at-top
+
   backend = config.model.attention_backend
-  if backend in GPU_BACKENDS and platform != "gpu":
+  if backend in ab.GPU_ONLY_BACKENDS and platform != "gpu":
     raise ValueError(
         f"config.model.attention_backend={backend!r} needs an NVIDIA GPU, but JAX runs on "
         f"{platform!r}; use 'dense' or 'blockwise' here"

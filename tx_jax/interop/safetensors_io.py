@@ -10,7 +10,7 @@ import json
 import pathlib
 
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from tx_jax.interop.rules import ConversionError
@@ -46,7 +46,9 @@ def read_weights(directory: str | pathlib.Path) -> dict[str, np.ndarray]:
       with safe_open(str(directory / name), framework="np") as f:
         for key in f.keys():
           tensors[key] = f.get_tensor(key)
-    except Exception as e:  # noqa: BLE001 -- SafetensorError and friends name no file
+    # The library's errors name no file. Header damage raises SafetensorError, an unreadable
+    # path OSError, and a dtype numpy lacks (bfloat16 without ml_dtypes) TypeError.
+    except (SafetensorError, OSError, TypeError) as e:
       raise ConversionError(f"{directory / name} cannot be read as safetensors: {e}") from e
   return tensors
 

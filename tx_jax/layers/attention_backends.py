@@ -303,7 +303,7 @@ def cudnn(
         f"model.attention_backend='cudnn' needs an NVIDIA GPU, but JAX runs on "
         f"{jax.default_backend()!r}; use 'dense' or 'blockwise' there"
     )
-  if q_BTNH.dtype not in (jnp.bfloat16, jnp.float16):
+  if q_BTNH.dtype.name not in CUDNN_DTYPES:
     raise ValueError(
         f"model.attention_backend='cudnn' computes in bfloat16 or float16, got {q_BTNH.dtype}; "
         "set model.dtype='bfloat16' or use 'dense' / 'blockwise'"
@@ -341,6 +341,12 @@ def _pallas(q_BTNH, k_BSKH, v_BSKH, spec, *, scale, **dropout) -> Array:
 
   return pallas_attention(q_BTNH, k_BSKH, v_BSKH, spec, scale=scale, **dropout)
 
+
+# What the backends cannot do, for tx_jax.validation to refuse a config before any work
+# (each backend also raises on its own when called).
+GPU_ONLY_BACKENDS = ("cudnn", "pallas")
+NO_DROPOUT_BACKENDS = ("blockwise", "cudnn", "pallas")
+CUDNN_DTYPES = ("bfloat16", "float16")
 
 # Every backend: (q_BTNH, k_BSKH, v_BSKH, spec, *, scale, dropout_rate, dropout_rng,
 # deterministic) -> out_BTNH, equal to `dense` within float32 tolerance.

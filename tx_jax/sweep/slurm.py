@@ -114,9 +114,10 @@ def still_queued(folder: pathlib.Path, status: dict[str, Any]) -> bool:
   job_id = status.get("slurm_job_id")
   if not job_id or status["status"] not in ("pending", "running"):
     return False
+  # submitit bypasses a failing or missing sacct itself and reports "UNKNOWN" (not active).
   try:
     state = submitit.SlurmJob(folder=folder, job_id=job_id).state
-  except Exception:  # pylint: disable=broad-except  # sacct unavailable: assume it is gone
+  except (RuntimeError, OSError):  # submitit's "no slurm id", an unreadable job folder
     return False
   return state.split(" ")[0] in ACTIVE_STATES
 
