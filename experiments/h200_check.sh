@@ -9,9 +9,15 @@
 # On a machine whose Python lacks some of tx_jax's pure dependencies, put their wheels in
 # .whl/ (and a newer protobuf in .whl/extra/); they are installed to a scratch folder.
 set -u
-out=${1:?usage: h200_check.sh OUT_DIR [all|bench|tests]}
+if [ $# -lt 1 ] || [ $# -gt 2 ]; then
+  echo "error: usage: bash experiments/h200_check.sh OUT_DIR [all|bench|tests]" >&2; exit 2
+fi
+out=$1
 mode=${2:-all}
-case "$mode" in all|bench|tests) ;; *) echo "mode=$mode: expected all, bench or tests" >&2; exit 2;; esac
+case "$mode" in
+  all|bench|tests) ;;
+  *) echo "error: mode '$mode' is not one of all, bench, tests" >&2; exit 2;;
+esac
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} TX_JAX_TEST_FAST_COMPILE=0
 python=${PYTHON:-python3}
