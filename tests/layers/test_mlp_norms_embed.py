@@ -10,7 +10,7 @@ import pytest
 
 from tx_jax.layers import axes
 from tx_jax.layers.embed import Embed
-from tx_jax.layers.linear import Linear
+from tx_jax.layers.linear import Linear, project
 from tx_jax.layers.mlp import GatedMlp, Mlp
 from tx_jax.layers.norms import NormSpec, make_norm
 
@@ -113,6 +113,46 @@ def test_linear_is_nn_dense_bit_for_bit(use_bias):
   np.testing.assert_array_equal(
       np.asarray(ours.apply({"params": p_ours}, X)), np.asarray(dense.apply({"params": p_dense}, X))
   )
+
+
+@pytest.mark.parametrize(
+    "x_shape, kernel_shape, in_dims",
+    [
+        ((2, 3, 4), (4, 16), 1),  # widening: the hand-written backward
+        ((2, 3, 16), (16, 4), 1),  # narrowing: autodiff's
+        ((2, 3, 2, 4), (2, 4, 3, 5), 2),  # widening over two contracted dims
+        ((3, 4), (4, 4), 1),  # neither
+    ],
+)
+def test_project_gradients_equal_numpy(x_shape, kernel_shape, in_dims):
+  """y = x·W; for a loss Σ y·c: dx = c·Wᵀ and dW = Σ_batch x ⊗ c, whichever backward runs."""
+  rng = np.random.default_rng(1)
+  x, kernel = rng.standard_normal(x_shape), rng.standard_normal(kernel_shape)
+  cot = rng.standard_normal(x_shape[: len(x_shape) - in_dims] + kernel_shape[in_dims:])
+  flat_in = int(np.prod(kernel_shape[:in_dims]))
+  x2, k2 = x.reshape(-1, flat_in), kernel.reshape(flat_in, -1)
+  c2 = cot.reshape(x2.shape[0], -1)
+  loss = lambda x, w: jnp.sum(project(x, w, in_dims) * jnp.asarray(cot, jnp.float32))  # noqa: E731
+  dx, dw = jax.grad(loss, argnums=(0, 1))(jnp.asarray(x, jnp.float32), jnp.asarray(kernel, jnp.float32))
+  np.testing.assert_allclose(np.asarray(dx), (c2 @ k2.T).reshape(x_shape), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(dw), (x2.T @ c2).reshape(kernel_shape), rtol=1e-5, atol=1e-5)
+
+
+def test_project_keeps_autodiffs_dtypes_with_a_float32_accumulator():
+  """bf16 operands with float32 logits (the tied output embedding): the hand-written backward
+  returns what autodiff of the same dot_general returns, bit for bit."""
+  rng = np.random.default_rng(2)
+  x = jnp.asarray(rng.standard_normal((2, 3, 4)), jnp.bfloat16)
+  kernel = jnp.asarray(rng.standard_normal((4, 16)), jnp.bfloat16)
+  cot = jnp.asarray(rng.standard_normal((2, 3, 16)), jnp.float32)
+  ours = jax.vjp(lambda x, w: project(x, w, 1, preferred_element_type=jnp.float32), x, kernel)
+  plain = jax.vjp(
+      lambda x, w: jnp.einsum("btd,dv->btv", x, w, preferred_element_type=jnp.float32), x, kernel
+  )
+  assert ours[0].dtype == jnp.float32
+  for a, b in zip(ours[1](cot), plain[1](cot)):
+    assert a.dtype == b.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 def test_linear_rejects_axes_of_the_wrong_rank():

@@ -6,6 +6,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from tx_jax.layers.axes import EMBED, VOCAB
+from tx_jax.layers.linear import project
 
 Array = jnp.ndarray
 
@@ -32,10 +33,10 @@ class Embed(nn.Module):
     return jnp.take(self.embedding, ids_BT, axis=0).astype(self.dtype)
 
   def attend(self, x_BTD: Array) -> Array:
-    """Tied output logits x·Eᵀ, accumulated and returned in float32."""
-    return jnp.einsum(
-        "btd,vd->btv",
-        x_BTD.astype(self.dtype),
-        self.embedding.astype(self.dtype),
-        preferred_element_type=jnp.float32,
-    )
+    """Tied output logits x·Eᵀ, accumulated and returned in float32.
+
+    Through `linear.project`, whose backward forms E's gradient by transposing x rather
+    than the [B, T, V] logits gradient.
+    """
+    kernel_DV = self.embedding.astype(self.dtype).T
+    return project(x_BTD.astype(self.dtype), kernel_DV, 1, preferred_element_type=jnp.float32)
