@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tx_jax.benchmarks import common, models, time_to_loss, train
+from tx_jax.benchmarks import common, gemm_one_core, models, time_to_loss, train
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -61,6 +61,14 @@ def test_matmul_peak_records_one_flop_rate_per_call_against_a_numpy_product():
   assert len(torch_peak.flops) == 1
   with pytest.raises(ValueError, match="framework='tf'"):
     common.MatmulPeak("tf", 64)
+
+
+def test_one_core_gemm_runs_in_a_child_pinned_to_one_cpu_with_one_torch_thread():
+  row = gemm_one_core.measure(16, 8, 4, rounds=1)
+  assert row["shape"] == [16, 8, 4]
+  assert row["cpus"] == 1 and row["torch_threads"] == 1
+  assert row["jax_flops"] > 0 and row["torch_flops"] > 0
+  assert row["jax_over_torch"] == pytest.approx(row["jax_flops"] / row["torch_flops"])
 
 
 def test_minimal_torch_gpt_starts_at_uniform_loss():
@@ -135,6 +143,8 @@ def test_smoke_run_writes_every_section_and_the_names_scripts_rely_on(tmp_path, 
   assert report["machine"]["devices"] == ["cpu:0", "cpu:1"]
   for section in ("train", "small"):
     assert report[section]["ratios"]["step_over_other_devices"] > 0
+    for gemm in report[section]["gemms"]:
+      assert gemm["one_core"]["shape"] == gemm["shape"] and gemm["one_core"]["cpus"] == 1
 
 
 @pytest.mark.slow

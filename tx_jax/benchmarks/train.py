@@ -19,7 +19,7 @@ import io
 import tempfile
 import time
 
-from tx_jax.benchmarks import common, models
+from tx_jax.benchmarks import common, gemm_one_core, models
 from tx_jax.benchmarks.common import Options, Shape
 
 CALL_SECONDS = 1.0  # target duration of one timed call of a runner
@@ -207,12 +207,13 @@ def compare(shape: Shape, options: Options, *, minimal_torch: bool, torch_compil
       ),
       "trainer_mfu_over_jax_peak": result["mfu"],
   }
-  # The ceiling: the step's two largest GEMMs alone, XLA vs torch, same threads.
-  rows = shape.tokens
-  result["gemms"] = [
-      common.gemm_times(rows, shape.d_model, 4 * shape.d_model, options.rounds),
-      common.gemm_times(rows, shape.d_model, shape.vocab, options.rounds),
-  ]
+  # The ceiling: the step's two largest GEMMs alone, XLA vs torch, same threads; and each
+  # on one core, which separates XLA's kernel from how it splits the GEMM over threads.
+  result["gemms"] = []
+  for n in (4 * shape.d_model, shape.vocab):
+    gemm = common.gemm_times(shape.tokens, shape.d_model, n, options.rounds)
+    gemm["one_core"] = gemm_one_core.measure(shape.tokens, shape.d_model, n, options.rounds)
+    result["gemms"].append(gemm)
   return result
 
 

@@ -1,0 +1,46 @@
+"""A GEMM alone on one core, XLA vs torch, in a child process pinned to one CPU.
+
+On the 2-core Intel VM XLA's fp32 GEMM trails MKL's by 0.52x at `small`'s [768, 128] x
+[128, 512] with both cores, but only by ~0.95x on one core (docs/performance.md). So the
+gap is how XLA:CPU splits a small GEMM over threads, not its kernel. XLA sizes its thread
+pool when the backend starts, and no flag changes it, so the one-core number needs a
+process whose CPU affinity is one core before JAX starts: this module run as a script.
+
+    python -m tx_jax.benchmarks.gemm_one_core M K N ROUNDS   # prints one JSON line
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def measure(m: int, k: int, n: int, rounds: int) -> dict:
+  """`common.gemm_times` of [m, k] @ [k, n] in a child pinned to one CPU, plus `cpus`
+  (the child's affinity) and `torch_threads`."""
+  out = subprocess.run(
+      [sys.executable, "-m", __name__, str(m), str(k), str(n), str(rounds)],
+      check=True,
+      capture_output=True,
+      text=True,
+  )
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str]) -> None:
+  m, k, n, rounds = (int(a) for a in argv)
+  os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # before JAX or torch start
+  import torch  # pylint: disable=g-import-not-at-top
+
+  from tx_jax.benchmarks import common  # pylint: disable=g-import-not-at-top
+
+  torch.set_num_threads(1)
+  row = common.gemm_times(m, k, n, rounds)
+  row.update(cpus=len(os.sched_getaffinity(0)), torch_threads=torch.get_num_threads())
+  print(json.dumps(row))
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
