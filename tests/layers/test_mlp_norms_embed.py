@@ -121,7 +121,8 @@ def test_linear_is_nn_dense_bit_for_bit(use_bias):
         ((2, 3, 4), (4, 16), 1),  # widening: the hand-written backward
         ((2, 3, 16), (16, 4), 1),  # narrowing: autodiff's
         ((2, 3, 2, 4), (2, 4, 3, 5), 2),  # widening over two contracted dims
-        ((3, 4), (4, 4), 1),  # neither
+        ((3, 4), (4, 4), 1),  # equal widths: the hand-written backward too
+        ((2, 3, 2, 4), (2, 4, 8), 2),  # equal widths over two dims (attention's out)
     ],
 )
 def test_project_gradients_equal_numpy(x_shape, kernel_shape, in_dims):
