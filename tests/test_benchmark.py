@@ -64,11 +64,12 @@ def test_matmul_peak_records_one_flop_rate_per_call_against_a_numpy_product():
 
 
 def test_one_core_gemm_runs_in_a_child_pinned_to_one_cpu_with_one_torch_thread():
-  row = gemm_one_core.measure(16, 8, 4, rounds=1)
-  assert row["shape"] == [16, 8, 4]
-  assert row["cpus"] == 1 and row["torch_threads"] == 1
-  assert row["jax_flops"] > 0 and row["torch_flops"] > 0
-  assert row["jax_over_torch"] == pytest.approx(row["jax_flops"] / row["torch_flops"])
+  rows = gemm_one_core.measure([(16, 8, 4), (8, 4, 2)], rounds=1)
+  assert [row["shape"] for row in rows] == [[16, 8, 4], [8, 4, 2]]
+  for row in rows:
+    assert row["cpus"] == 1 and row["torch_threads"] == 1
+    assert row["jax_flops"] > 0 and row["torch_flops"] > 0
+    assert row["jax_over_torch"] == pytest.approx(row["jax_flops"] / row["torch_flops"])
 
 
 def test_minimal_torch_gpt_starts_at_uniform_loss():

@@ -6,7 +6,7 @@ gap is how XLA:CPU splits a small GEMM over threads, not its kernel. XLA sizes i
 pool when the backend starts, and no flag changes it, so the one-core number needs a
 process whose CPU affinity is one core before JAX starts: this module run as a script.
 
-    python -m tx_jax.benchmarks.gemm_one_core M K N ROUNDS   # prints one JSON line
+    python -m tx_jax.benchmarks.gemm_one_core ROUNDS M K N [M K N ...]   # one JSON line
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ import subprocess
 import sys
 
 
-def measure(m: int, k: int, n: int, rounds: int) -> dict:
-  """`common.gemm_times` of [m, k] @ [k, n] in a child pinned to one CPU, plus `cpus`
-  (the child's affinity) and `torch_threads`."""
+def measure(shapes: list[tuple[int, int, int]], rounds: int) -> list[dict]:
+  """`common.gemm_times` of each [m, k] @ [k, n] in one child pinned to one CPU, each row
+  with `cpus` (the child's affinity) and `torch_threads`."""
+  args = [str(d) for shape in shapes for d in shape]
   out = subprocess.run(
-      [sys.executable, "-m", __name__, str(m), str(k), str(n), str(rounds)],
+      [sys.executable, "-m", __name__, str(rounds), *args],
       check=True,
       capture_output=True,
       text=True,
@@ -30,16 +31,17 @@ def measure(m: int, k: int, n: int, rounds: int) -> dict:
 
 
 def main(argv: list[str]) -> None:
-  m, k, n, rounds = (int(a) for a in argv)
+  rounds, *dims = (int(a) for a in argv)
   os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # before JAX or torch start
   import torch  # pylint: disable=g-import-not-at-top
 
   from tx_jax.benchmarks import common  # pylint: disable=g-import-not-at-top
 
   torch.set_num_threads(1)
-  row = common.gemm_times(m, k, n, rounds)
-  row.update(cpus=len(os.sched_getaffinity(0)), torch_threads=torch.get_num_threads())
-  print(json.dumps(row))
+  rows = [common.gemm_times(*dims[i : i + 3], rounds) for i in range(0, len(dims), 3)]
+  for row in rows:
+    row.update(cpus=len(os.sched_getaffinity(0)), torch_threads=torch.get_num_threads())
+  print(json.dumps(rows))
 
 
 if __name__ == "__main__":

@@ -209,11 +209,10 @@ def compare(shape: Shape, options: Options, *, minimal_torch: bool, torch_compil
   }
   # The ceiling: the step's two largest GEMMs alone, XLA vs torch, same threads; and each
   # on one core, which separates XLA's kernel from how it splits the GEMM over threads.
-  result["gemms"] = []
-  for n in (4 * shape.d_model, shape.vocab):
-    gemm = common.gemm_times(shape.tokens, shape.d_model, n, options.rounds)
-    gemm["one_core"] = gemm_one_core.measure(shape.tokens, shape.d_model, n, options.rounds)
-    result["gemms"].append(gemm)
+  shapes = [(shape.tokens, shape.d_model, n) for n in (4 * shape.d_model, shape.vocab)]
+  result["gemms"] = [common.gemm_times(*mkn, options.rounds) for mkn in shapes]
+  for gemm, one_core in zip(result["gemms"], gemm_one_core.measure(shapes, options.rounds)):
+    gemm["one_core"] = one_core
   return result
 
 
