@@ -185,7 +185,7 @@ class Checkpointer:
       meta = json.loads((self.directory / str(step) / "meta" / "metadata").read_text())
       saved_tree = ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / "state")
       saved = _shapes(saved_tree.tree)
-    except Exception:  # noqa: BLE001 -- unreadable metadata is damage; the restore says so
+    except (OSError, ValueError):  # unreadable or corrupt metadata is damage; the restore says so
       return
     wanted = _shapes(abstract_state)
     params = lambda d: {k: v for k, v in d.items() if k.startswith("params/")}  # noqa: E731
