@@ -72,6 +72,17 @@ def test_one_core_gemm_runs_in_a_child_pinned_to_one_cpu_with_one_torch_thread()
     assert row["jax_over_torch"] == pytest.approx(row["jax_flops"] / row["torch_flops"])
 
 
+@pytest.mark.parametrize("argv", [["abc"], ["5", "1", "2"], ["0", "4", "4", "4"], []])
+def test_one_core_gemm_rejects_bad_arguments_in_one_error_line(argv):
+  out = subprocess.run(
+      [sys.executable, "-m", "tx_jax.benchmarks.gemm_one_core", *argv],
+      capture_output=True,
+      text=True,
+  )
+  assert out.returncode == 2 and out.stdout == ""
+  assert out.stderr.count("\n") == 1 and out.stderr.startswith("error: ")
+
+
 def test_minimal_torch_gpt_starts_at_uniform_loss():
   """At GPT-2's 0.02 init the logits are ~0, so the loss is ~ln(vocab) (an independent fact)."""
   torch = pytest.importorskip("torch")

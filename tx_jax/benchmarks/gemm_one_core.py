@@ -30,8 +30,24 @@ def measure(shapes: list[tuple[int, int, int]], rounds: int) -> list[dict]:
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+USAGE = "usage: python -m tx_jax.benchmarks.gemm_one_core ROUNDS M K N [M K N ...]"
+
+
+def _parse(argv: list[str]) -> tuple[int, list[int]]:
+  """(rounds, dims), or SystemExit(2) after one `error:` line naming what is wrong."""
+  try:
+    numbers = [int(a) for a in argv]
+  except ValueError:
+    numbers = []
+  if len(numbers) < 4 or (len(numbers) - 1) % 3 or min(numbers) < 1:
+    print(f"error: got {argv}; expected positive integers ROUNDS then M K N triples ({USAGE})",
+          file=sys.stderr)
+    raise SystemExit(2)
+  return numbers[0], numbers[1:]
+
+
 def main(argv: list[str]) -> None:
-  rounds, *dims = (int(a) for a in argv)
+  rounds, dims = _parse(argv)
   os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # before JAX or torch start
   import torch  # pylint: disable=g-import-not-at-top
 
