@@ -86,24 +86,31 @@ def _words(x: jax.Array) -> jax.Array:
 
 
 @jax.jit
-def fingerprint(tree: Any) -> tuple[jax.Array, jax.Array]:
+def _leaf_fingerprint(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(uint32 checksum, whether it is finite) of one array; see `fingerprint`."""
+  x = jnp.asarray(x)
+  index = jnp.zeros(x.shape, jnp.uint32)
+  stride = 1
+  for d in reversed(range(x.ndim)):
+    index += jax.lax.broadcasted_iota(jnp.uint32, x.shape, d) * jnp.uint32(stride % 2**32)
+    stride *= x.shape[d]
+  total = jnp.sum(_words(x) * (index * jnp.uint32(2) + jnp.uint32(1)), dtype=jnp.uint32)
+  finite = jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.array(True)
+  return total, finite
+
+
+def fingerprint(tree: Any) -> tuple[np.ndarray, bool]:
   """(per-leaf uint32 checksums, whether every float leaf is finite) of a pytree of arrays.
 
   The checksum is sum_i bits_i * (2i + 1) mod 2^32: exact integer arithmetic, so it is the
   same under any sharding or reduction order, and it notices changed or moved elements.
+  One small program per distinct leaf shape, dtype and sharding: a single program over the
+  whole tree took 6.8 s to compile for gpt2-small's 589 leaves (10 distinct shapes), at
+  the first save and again at every restore.
   """
-  sums, finite = [], jnp.array(True)
-  for x in jax.tree_util.tree_leaves(tree):
-    x = jnp.asarray(x)
-    index = jnp.zeros(x.shape, jnp.uint32)
-    stride = 1
-    for d in reversed(range(x.ndim)):
-      index += jax.lax.broadcasted_iota(jnp.uint32, x.shape, d) * jnp.uint32(stride % 2**32)
-      stride *= x.shape[d]
-    sums.append(jnp.sum(_words(x) * (index * jnp.uint32(2) + jnp.uint32(1)), dtype=jnp.uint32))
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-      finite &= jnp.all(jnp.isfinite(x))
-  return jnp.stack(sums) if sums else jnp.zeros((0,), jnp.uint32), finite
+  results = jax.device_get([_leaf_fingerprint(x) for x in jax.tree_util.tree_leaves(tree)])
+  sums = np.array([int(total) for total, _ in results], dtype=np.uint32)
+  return sums, all(bool(finite) for _, finite in results)
 
 
 class Checkpointer:
@@ -152,7 +159,7 @@ class Checkpointer:
     """Starts saving `state` (and the iterator state) at `step`; refuses non-finite states."""
     if step in self.manager.all_steps():
       return
-    sums, finite = jax.device_get(fingerprint(state))
+    sums, finite = fingerprint(state)
     if not finite:
       raise CheckpointError(
           f"refusing to save step {step}: the state holds a NaN or Inf; "
@@ -229,7 +236,7 @@ class Checkpointer:
       items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
     restored = self.manager.restore(step, args=ocp.args.Composite(**items))
     state, meta = restored["state"], restored["meta"]
-    sums, finite = jax.device_get(fingerprint(state))
+    sums, finite = fingerprint(state)
     if meta["step"] != step or [int(s) for s in sums] != meta["fingerprints"]:
       raise CheckpointError("restored values do not match the fingerprints saved with them")
     if not finite:
@@ -360,7 +367,7 @@ def restore_params(
     manager.close()
   params = restored["state"]["params"]
   # TrainState flattens as (step, params..., opt_state..., rng, skipped): params come 2nd.
-  sums, _ = jax.device_get(fingerprint(params))
+  sums, _ = fingerprint(params)
   saved = restored["meta"]["fingerprints"][1 : 1 + len(sums)]
   if [int(s) for s in sums] != saved:
     raise CheckpointError(
