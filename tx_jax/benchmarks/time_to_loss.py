@@ -77,6 +77,8 @@ def run_torch(config) -> tuple[list[dict], float]:
 
   models.set_torch_threads()
   torch.manual_seed(config.seed)
+  # The clock starts where tx_jax's does: before the schedule, the data and the model.
+  start = time.perf_counter()
   m, o, t = config.model, config.optimizer, config.train
   _, schedule = optimizers.build_optimizer(config)
   lrs = np.asarray(schedule(np.arange(t.steps)), np.float64)
@@ -84,8 +86,6 @@ def run_torch(config) -> tuple[list[dict], float]:
   eval_batches = data.build_eval_batches(config, t.eval_split)
   eval_batches = [as_torch(b) for b in (eval_batches[: t.eval_batches] if t.eval_batches else eval_batches)]
   train_iter = data.build_train_iterator(config)
-
-  start = time.perf_counter()
   model = torch_gpt.GPT(m.vocab_size, m.d_model, m.num_layers, m.num_heads, m.max_len)
   opt = torch_gpt.adamw(model, o.learning_rate, o.b1, o.b2, o.eps, o.weight_decay)
 
