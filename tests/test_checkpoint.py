@@ -3,6 +3,8 @@
 import json
 import os
 import pathlib
+import subprocess
+import sys
 
 import grain
 import jax
@@ -133,6 +135,37 @@ def test_fingerprint_sees_moved_and_changed_values():
   _, finite = checkpoint.fingerprint([x.at[0, 0].set(jnp.inf)])
   assert not bool(finite)
 
+
+
+_MANY_SHARDED_LEAVES = """
+import jax, numpy as np
+jax.config.update("jax_num_cpu_devices", 2)
+from tx_jax import checkpoint
+mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
+split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+base = np.arange(1024 * 1024, dtype=np.float32).reshape(1024, 1024)
+sums, finite = checkpoint.fingerprint([jax.device_put(base + i, split) for i in range(100)])
+assert finite
+np.testing.assert_array_equal(sums, checkpoint.fingerprint([base + i for i in range(100)])[0])
+print("matched")
+"""
+
+
+def test_fingerprint_of_many_sharded_leaves_finishes_and_matches_one_device():
+  """Each sharded leaf's checksum is a program with a collective, and XLA:CPU hangs (then
+  aborts after 40 s) once ~33 of them are in flight, as the first per-leaf version did at
+  the benchmark's first save. In a fresh process with the config's 2 CPU devices: under
+  this test session's 8 devices and compile flags the same calls did not hang."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  done = subprocess.run(
+      [sys.executable, "-c", _MANY_SHARDED_LEAVES],
+      cwd=pathlib.Path(__file__).resolve().parents[1],
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
+  assert done.returncode == 0 and "matched" in done.stdout, done.stderr[-3000:]
 
 def _files(root: pathlib.Path) -> dict[str, bytes]:
   return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}

@@ -55,6 +55,11 @@ _SEQ2SEQ_TASKS = ("seq2seq", "span_corruption")  # config.data.task values with 
 # ----------------------------------------------------------------------------- mesh
 
 
+# XLA:CPU (jax 0.10) with several devices hangs once more than ~33 programs with
+# collectives are in flight, until a 40 s rendezvous timeout aborts the process
+# (docs/performance.md). Code that dispatches many such programs waits after this many.
+MAX_COLLECTIVE_PROGRAMS_IN_FLIGHT = 16
+
 def mesh_shape(mesh_cfg: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
   """Axis sizes of `config.mesh` with the one -1 filled; the product must be `num_devices`."""
   sizes = {axis: mesh_cfg[axis] for axis in MESH_AXES}
@@ -109,8 +114,8 @@ def use_cpu_devices(mesh_cfg: ml_collections.ConfigDict) -> None:
 
   A limit of XLA:CPU (jax 0.10) to know: with several devices, more than ~33 programs with
   collectives in flight hang until a 40 s rendezvous timeout aborts the process. The
-  trainer never runs more than MetricsWindow.MAX_PENDING (16) steps ahead and its
-  evaluator waits for every batch; code that dispatches longer queues must wait sooner.
+  trainer never runs more than MAX_COLLECTIVE_PROGRAMS_IN_FLIGHT steps ahead, its evaluator
+  waits for every batch, and checkpoint fingerprints wait after as many leaves.
   """
   count = cpu_device_count(mesh_cfg)
   if count == 0:

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tx_jax import sharding
 from tx_jax.train import steps as steps_lib
 
 TOKEN_KEYS = ("inputs", "encoder_inputs", "decoder_inputs")
@@ -136,7 +137,7 @@ class MetricsWindow:
   # The most steps the host dispatches ahead of what it has pulled. Also a safety bound:
   # XLA:CPU with several devices (config.mesh.cpu_devices) hangs once more than ~33
   # programs with collectives are in flight (jax 0.10; docs/performance.md).
-  MAX_PENDING = 16
+  MAX_PENDING = sharding.MAX_COLLECTIVE_PROGRAMS_IN_FLIGHT
 
   def __init__(
       self,
