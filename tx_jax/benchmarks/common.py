@@ -11,7 +11,7 @@ import dataclasses
 import os
 import statistics
 import time
-from typing import Callable
+from typing import Any, Callable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,47 +159,40 @@ class MatmulPeak:
 
   def __init__(self, framework: str, size: int):
     self.size, self.flops = size, []
-    if framework == "jax":
-      import jax  # pylint: disable=g-import-not-at-top
-      import jax.numpy as jnp
-
-      a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
-      matmul = jax.jit(lambda x: x @ x)
-      self._gemm = lambda: matmul(a).block_until_ready()
-    elif framework == "torch":
-      import torch  # pylint: disable=g-import-not-at-top
-
-      b = torch.randn(size, size)
-      self._gemm = lambda: b @ b
-    else:
-      raise ValueError(f"framework={framework!r}; accepted: 'jax', 'torch'")
-    self._gemm()  # compile / first touch
+    self._gemm = gemm_callable(framework, size, size, size)
 
   def __call__(self) -> None:
     best = min(seconds(self._gemm) for _ in range(self.REPEATS))
     self.flops.append(2.0 * self.size**3 / best)
 
 
-def gemm_times(m: int, k: int, n: int, rounds: int) -> dict:
-  """One [m, k] @ [k, n] fp32 GEMM in XLA and in torch, interleaved: the ceiling of a step."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp
-  import numpy as np
-  import torch
+def gemm_callable(framework: str, m: int, k: int, n: int) -> Callable[[], Any]:
+  """One fp32 [m, k] @ [k, n] GEMM in `framework` ('jax' or 'torch'), its inputs made and
+  its first call (compile, first touch) done; each call runs it and waits for it."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
 
   rng = np.random.default_rng(0)
-  a_np = rng.standard_normal((m, k), np.float32)
-  b_np = rng.standard_normal((k, n), np.float32)
-  a, b = jnp.asarray(a_np), jnp.asarray(b_np)
-  ta, tb = torch.from_numpy(a_np), torch.from_numpy(b_np)
-  matmul = jax.jit(jnp.matmul)
-  times, _ = interleaved(
-      {
-          "jax": lambda: matmul(a, b).block_until_ready(),
-          "torch": lambda: ta @ tb,
-      },
-      rounds,
-  )
+  a, b = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
+  if framework == "jax":
+    import jax  # pylint: disable=g-import-not-at-top
+    import jax.numpy as jnp
+
+    a, b, matmul = jnp.asarray(a), jnp.asarray(b), jax.jit(jnp.matmul)
+    gemm = lambda: matmul(a, b).block_until_ready()  # noqa: E731
+  elif framework == "torch":
+    import torch  # pylint: disable=g-import-not-at-top
+
+    a, b = torch.from_numpy(a), torch.from_numpy(b)
+    gemm = lambda: a @ b  # noqa: E731
+  else:
+    raise ValueError(f"framework={framework!r}; accepted: 'jax', 'torch'")
+  gemm()
+  return gemm
+
+
+def gemm_times(m: int, k: int, n: int, rounds: int) -> dict:
+  """One [m, k] @ [k, n] fp32 GEMM in XLA and in torch, interleaved: the ceiling of a step."""
+  times, _ = interleaved({fw: gemm_callable(fw, m, k, n) for fw in ("jax", "torch")}, rounds)
   flops = 2.0 * m * k * n
   return {
       "shape": [m, k, n],
