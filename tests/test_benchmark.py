@@ -143,6 +143,10 @@ def test_smoke_run_writes_every_section_and_the_names_scripts_rely_on(tmp_path, 
   assert train["mfu"] == pytest.approx(statistics.median(per_round))
   for key in ("loop_overhead", "loop_overhead_paired", "trainer_thread_cpu_ms_per_step"):
     assert isinstance(report["train"][key], float), key
+  # The step and the trainer run on the device count the probe found faster.
+  probe = {int(n): ms for n, ms in train["cpu_devices_probe_ms"].items()}
+  assert set(probe) == {1, 2} and train["cpu_devices"] == min(probe, key=probe.get)
+  assert train["other_cpu_devices"] == 3 - train["cpu_devices"]
   rows = report["attention"]["rows"]
   assert rows and all({"backend", "seq_len", "time_ms", "peak_bytes"} <= set(r) for r in rows)
   for key in ("tx_jax_seconds", "torch_seconds", "tx_jax_final_loss"):
