@@ -53,7 +53,8 @@ BENCH = Shape(
     mesh_axis="fsdp",
 )
 SMALL = Shape(num_layers=4, d_model=128, num_heads=4, seq_len=64, batch=12, vocab=360)
-SMOKE = Shape(num_layers=2, d_model=32, num_heads=2, seq_len=16, batch=2, vocab=360)  # >= the byte ids
+# vocab 360: the byte tokenizer's ids fit.
+SMOKE = Shape(num_layers=2, d_model=32, num_heads=2, seq_len=16, batch=2, vocab=360)
 
 
 def machine() -> dict:

@@ -137,14 +137,20 @@ def compare(shape: Shape, options: Options, *, minimal_torch: bool, torch_compil
   runners = {"step": back_to_back(jax_step, calls)}
   if other in jax_steps:  # what the device count buys: the same step on the other choice
     runners["step_other_devices"] = back_to_back(jax_steps[other], calls)
-  runners["torch_eager"] = repeat(models.torch_step(models.hf_gpt2(shape), shape, models.hf_loss, False))
+  runners["torch_eager"] = repeat(
+      models.torch_step(models.hf_gpt2(shape), shape, models.hf_loss, False)
+  )
   if torch_compile:
     runners["torch_compile"] = repeat(
         models.torch_step(models.hf_gpt2(shape), shape, models.hf_loss, True)
     )
   if minimal_torch:
-    gpt = torch_gpt.GPT(shape.vocab, shape.d_model, shape.num_layers, shape.num_heads, shape.seq_len)
-    runners["torch_minimal_eager"] = repeat(models.torch_step(gpt, shape, models.minimal_loss, False))
+    gpt = torch_gpt.GPT(
+        shape.vocab, shape.d_model, shape.num_layers, shape.num_heads, shape.seq_len
+    )
+    runners["torch_minimal_eager"] = repeat(
+        models.torch_step(gpt, shape, models.minimal_loss, False)
+    )
   # The matmul peak of each framework is timed in every round too (MFU per round, below).
   peaks = {fw: common.MatmulPeak(fw, PEAK_SIZE) for fw in ("jax", "torch")}
   timer = common.Rounds({**runners, **{f"{fw}_matmul_peak": peak for fw, peak in peaks.items()}})
@@ -153,7 +159,9 @@ def compare(shape: Shape, options: Options, *, minimal_torch: bool, torch_compil
   # they and the rounds after them are recorded but left out of the medians.
   warmup = 0 if options.smoke else common.WARMUP_ROUNDS
   log_every = calls  # a trainer window and a call of the bare step run as many steps
-  windows = trainer_windows(config, (warmup + options.rounds) * log_every, log_every, lambda _: timer.round())
+  windows = trainer_windows(
+      config, (warmup + options.rounds) * log_every, log_every, lambda _: timer.round()
+  )
   wall = {name: w[warmup:] for name, w in timer.wall.items()}
   cores = {name: c[warmup:] for name, c in timer.cores.items()}
   tokens = shape.tokens * calls
@@ -166,7 +174,8 @@ def compare(shape: Shape, options: Options, *, minimal_torch: bool, torch_compil
     result[f"{name}_cores_busy"] = common.median(cores[name])
     result[f"{name}_all_ms"] = [1e3 * w / calls for w in wall[name]]
   result.setdefault("torch_compile_tokens_per_sec", None)
-  result["step_thread_cpu_ms_per_step"] = 1e3 * common.median(timer.thread_cpu["step"][warmup:]) / calls
+  step_cpu = common.median(timer.thread_cpu["step"][warmup:])
+  result["step_thread_cpu_ms_per_step"] = 1e3 * step_cpu / calls
 
   result["trainer_warmup_windows_tokens_per_sec"] = [w["tokens_per_sec"] for w in windows[:warmup]]
   windows = windows[warmup:]
@@ -217,7 +226,9 @@ def compare(shape: Shape, options: Options, *, minimal_torch: bool, torch_compil
       "step_over_torch_eager": common.ratio(
           result["step_tokens_per_sec"], result["torch_eager_tokens_per_sec"]
       ),
-      "step_over_fastest_torch_eager": common.ratio(result["step_tokens_per_sec"], best_torch_eager),
+      "step_over_fastest_torch_eager": common.ratio(
+          result["step_tokens_per_sec"], best_torch_eager
+      ),
       "step_over_other_devices": common.ratio(
           result["step_tokens_per_sec"], result.get("step_other_devices_tokens_per_sec")
       ),
@@ -258,7 +269,9 @@ def plot(result: dict, path, title: str) -> None:
       "step": "tx_jax jitted step",
       "step_other_devices": "tx_jax step, other CPU device count",
   }
-  values = [result["tokens_per_sec"] if n == "tokens" else result[f"{n}_tokens_per_sec"] for n in names]
+  values = [
+      result["tokens_per_sec"] if n == "tokens" else result[f"{n}_tokens_per_sec"] for n in names
+  ]
   fig, ax = plt.subplots(figsize=(7, 3.5))
   ax.barh([labels.get(n, n.replace("_", " ")) for n in names], values)
   for i, v in enumerate(values):

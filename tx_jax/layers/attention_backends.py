@@ -165,7 +165,9 @@ def _chunked_attention(q_BTKGH, k_BSKH, v_BSKH, masks, biases, scale, chunks, bi
   (None or broadcastable to [B, N, T_i, S_i]) describe chunk i's queries against its keys.
   bias_shapes: the biases' shapes (static), None where there is no bias.
   """
-  return _chunked_attention_fwd(q_BTKGH, k_BSKH, v_BSKH, masks, biases, scale, chunks, bias_shapes)[0]
+  return _chunked_attention_fwd(
+      q_BTKGH, k_BSKH, v_BSKH, masks, biases, scale, chunks, bias_shapes
+  )[0]
 
 
 def _chunked_attention_fwd(q_BTKGH, k_BSKH, v_BSKH, masks, biases, scale, chunks, bias_shapes):
@@ -206,17 +208,18 @@ def _chunked_attention_bwd(scale, chunks, bias_shapes, residuals, dout_BKGTH):
   row_dot_BKGT1 = jnp.sum(
       dout_BKGTH.astype(f32) * out_BKGTH.astype(f32), axis=-1, keepdims=True
   )
+  einsum = functools.partial(jnp.einsum, preferred_element_type=f32)
   dq_parts, dk_parts, dv_parts, dbiases = [], [], [], []
   for chunk, p_BKGTS, bias_shape in zip(chunks, probabilities, bias_shapes):
     queries, keys = slice(chunk.start, chunk.end), slice(0, chunk.key_end)
     dout_c = dout_BKGTH[:, :, :, queries]
-    dp_BKGTS = jnp.einsum("bkgth,bkhs->bkgts", dout_c, v_BKHS[..., keys], preferred_element_type=f32)
+    dp_BKGTS = einsum("bkgth,bkhs->bkgts", dout_c, v_BKHS[..., keys])
     dlogits_BKGTS = p_BKGTS * (dp_BKGTS - row_dot_BKGT1[:, :, :, queries])
     p_c = p_BKGTS.astype(dout_BKGTH.dtype)
-    dv_parts.append(jnp.einsum("bkhgt,bkgts->bkhs", dout_BKHGT[..., queries], p_c, preferred_element_type=f32))
+    dv_parts.append(einsum("bkhgt,bkgts->bkhs", dout_BKHGT[..., queries], p_c))
     ds_BKGTS = dlogits_BKGTS.astype(k_BSKH.dtype)
-    dq_parts.append(jnp.einsum("bkgts,bksh->bkgth", ds_BKGTS, k_BKSH[:, :, keys], preferred_element_type=f32))
-    dk_parts.append(jnp.einsum("bkhgt,bkgts->bkhs", q_BKHGT[..., queries], ds_BKGTS, preferred_element_type=f32))
+    dq_parts.append(einsum("bkgts,bksh->bkgth", ds_BKGTS, k_BKSH[:, :, keys]))
+    dk_parts.append(einsum("bkhgt,bkgts->bkhs", q_BKHGT[..., queries], ds_BKGTS))
     if bias_shape is None:
       dbiases.append(None)
     else:
