@@ -197,7 +197,10 @@ def _chunked_attention_bwd(scale, chunks, bias_shapes, residuals, dout_BKGTH):
   and dk, dv come out as [B, K, H, S], so the [T, S] probabilities are never transposed.
   Per-chunk einsums on the [B, T, K, H] inputs made XLA transpose every chunk's keys in
   two layouts, and pad-and-add each chunk's dk and dv (bench step 1.02-1.03x faster).
+  One chunk has nothing to slice and keeps XLA's own layouts (`_one_chunk_bwd`).
   """
+  if len(chunks) == 1:
+    return _one_chunk_bwd(scale, bias_shapes[0], residuals, dout_BKGTH)
   q_BTKGH, k_BSKH, v_BSKH, probabilities, out_BKGTH = residuals
   f32 = jnp.float32
   batch, _, num_kv_heads, groups, _ = q_BTKGH.shape
@@ -236,6 +239,32 @@ def _chunked_attention_bwd(scale, chunks, bias_shapes, residuals, dout_BKGTH):
       dv.astype(v_BSKH.dtype),
       None,
       tuple(dbiases),
+  )
+
+
+def _one_chunk_bwd(scale, bias_shape, residuals, dout_BKGTH):
+  """`_chunked_attention_bwd` for one chunk (all queries against all keys): einsums on the
+  inputs' layouts, whose transposes XLA places itself. With nothing sliced, laying the
+  operands out by hand only added copies (`small`'s T = 64: 1.76 vs 1.54 ms fwd+bwd)."""
+  q_BTKGH, k_BSKH, v_BSKH, (p_BKGTS,), out_BKGTH = residuals
+  f32 = jnp.float32
+  dp_BKGTS = jnp.einsum("bkgth,bskh->bkgts", dout_BKGTH, v_BSKH, preferred_element_type=f32)
+  row_dot = jnp.sum(dout_BKGTH.astype(f32) * out_BKGTH.astype(f32), axis=-1, keepdims=True)
+  dlogits_BKGTS = p_BKGTS * (dp_BKGTS - row_dot)
+  dv = jnp.einsum("bkgts,bkgth->bskh", p_BKGTS.astype(dout_BKGTH.dtype), dout_BKGTH)
+  ds = dlogits_BKGTS.astype(k_BSKH.dtype)
+  dq = jnp.einsum("bkgts,bskh->btkgh", ds, k_BSKH, preferred_element_type=f32) * scale
+  dk = jnp.einsum("bkgts,btkgh->bskh", ds, q_BTKGH, preferred_element_type=f32) * scale
+  dbias = None
+  if bias_shape is not None:
+    b, k, g, t, s = dlogits_BKGTS.shape
+    dbias = _sum_to_shape(dlogits_BKGTS.reshape(b, k * g, t, s), bias_shape)
+  return (
+      dq.astype(q_BTKGH.dtype),
+      dk.astype(k_BSKH.dtype),
+      dv.astype(v_BSKH.dtype),
+      None,
+      (dbias,),
   )
 
 
