@@ -136,7 +136,6 @@ def test_fingerprint_sees_moved_and_changed_values():
   assert not bool(finite)
 
 
-
 _MANY_SHARDED_LEAVES = """
 import jax, numpy as np
 jax.config.update("jax_num_cpu_devices", 2)
@@ -166,6 +165,7 @@ def test_fingerprint_of_many_sharded_leaves_finishes_and_matches_one_device():
       timeout=300,
   )
   assert done.returncode == 0 and "matched" in done.stdout, done.stderr[-3000:]
+
 
 def _files(root: pathlib.Path) -> dict[str, bytes]:
   return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}

@@ -203,7 +203,6 @@ def _chunked_attention_bwd(scale, chunks, bias_shapes, residuals, dout_BKGTH):
     return _one_chunk_bwd(scale, bias_shapes[0], residuals, dout_BKGTH)
   q_BTKGH, k_BSKH, v_BSKH, probabilities, out_BKGTH = residuals
   f32 = jnp.float32
-  batch, _, num_kv_heads, groups, _ = q_BTKGH.shape
   q_BKHGT = q_BTKGH.transpose(0, 2, 4, 3, 1)
   dout_BKHGT = dout_BKGTH.transpose(0, 1, 4, 2, 3)
   k_BKSH = k_BSKH.transpose(0, 2, 1, 3)
@@ -223,14 +222,8 @@ def _chunked_attention_bwd(scale, chunks, bias_shapes, residuals, dout_BKGTH):
     ds_BKGTS = dlogits_BKGTS.astype(k_BSKH.dtype)
     dq_parts.append(einsum("bkgts,bksh->bkgth", ds_BKGTS, k_BKSH[:, :, keys]))
     dk_parts.append(einsum("bkhgt,bkgts->bkhs", q_BKHGT[..., queries], ds_BKGTS))
-    if bias_shape is None:
-      dbiases.append(None)
-    else:
-      _, _, _, length, key_length = dlogits_BKGTS.shape
-      flat = dlogits_BKGTS.reshape(batch, num_kv_heads * groups, length, key_length)
-      dbiases.append(_sum_to_shape(flat, bias_shape))
-  dq_BKGTH = jnp.concatenate(dq_parts, axis=3) if len(dq_parts) > 1 else dq_parts[0]
-  dq = (dq_BKGTH * scale).transpose(0, 3, 1, 2, 4)
+    dbiases.append(_bias_gradient(dlogits_BKGTS, bias_shape))
+  dq = (jnp.concatenate(dq_parts, axis=3) * scale).transpose(0, 3, 1, 2, 4)
   dk = (_by_key_block(dk_parts, chunks) * scale).transpose(0, 3, 1, 2)
   dv = _by_key_block(dv_parts, chunks).transpose(0, 3, 1, 2)
   return (
@@ -255,24 +248,26 @@ def _one_chunk_bwd(scale, bias_shape, residuals, dout_BKGTH):
   ds = dlogits_BKGTS.astype(k_BSKH.dtype)
   dq = jnp.einsum("bkgts,bskh->btkgh", ds, k_BSKH, preferred_element_type=f32) * scale
   dk = jnp.einsum("bkgts,btkgh->bskh", ds, q_BTKGH, preferred_element_type=f32) * scale
-  dbias = None
-  if bias_shape is not None:
-    b, k, g, t, s = dlogits_BKGTS.shape
-    dbias = _sum_to_shape(dlogits_BKGTS.reshape(b, k * g, t, s), bias_shape)
   return (
       dq.astype(q_BTKGH.dtype),
       dk.astype(k_BSKH.dtype),
       dv.astype(v_BSKH.dtype),
       None,
-      (dbias,),
+      (_bias_gradient(dlogits_BKGTS, bias_shape),),
   )
+
+
+def _bias_gradient(dlogits_BKGTS: Array, bias_shape: tuple[int, ...] | None) -> Array | None:
+  """The bias's gradient: d logits summed over the axes the bias broadcast along."""
+  if bias_shape is None:
+    return None
+  b, k, g, t, s = dlogits_BKGTS.shape
+  return _sum_to_shape(dlogits_BKGTS.reshape(b, k * g, t, s), bias_shape)
 
 
 def _by_key_block(parts_BKHS: list[Array], chunks: Sequence[Chunk]) -> Array:
   """Σ over chunks of each chunk's [B, K, H, key_end] gradient, as one [B, K, H, S]: each
   block of keys sums the chunks that saw it (one fusion, no padded copies)."""
-  if len(parts_BKHS) == 1:
-    return parts_BKHS[0]
   blocks, start = [], 0
   for end in sorted({chunk.key_end for chunk in chunks}):
     seen_by = [p for p, c in zip(parts_BKHS, chunks) if c.key_end >= end]
