@@ -281,7 +281,14 @@ class Checkpointer:
           ) from e
         self._damaged(step, e)
         continue
-      except Exception as e:  # noqa: BLE001 -- any other failure to read a step is damage
+      except (OSError, CheckpointError) as e:  # missing files; values that fail their fingerprints
+        self._damaged(step, e)
+      except Exception as e:  # noqa: BLE001
+        # Orbax reports an array it cannot read (a truncated or garbled file) as a bare
+        # Exception. Anything more specific is a bug or a wrong setup, not damage: it
+        # propagates and the step stays where it is.
+        if type(e) is not Exception:
+          raise
         self._damaged(step, e)
     if steps:
       raise CheckpointError(f"every checkpoint in {self.directory} (steps {steps}) is damaged")
