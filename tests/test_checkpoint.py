@@ -101,6 +101,21 @@ def test_damaged_newest_falls_back_to_previous(tmp_path, damage, caplog):
   assert (tmp_path / "checkpoints_damaged" / "2").is_dir()
 
 
+def test_an_error_that_is_not_damage_propagates_and_moves_nothing(tmp_path, monkeypatch):
+  """A bug or a wrong setup while reading a good step must not get it moved aside."""
+  ck = _manager(tmp_path)
+  _save_steps(ck, [1, 2])
+
+  def broken(*args, **kwargs):
+    raise TypeError("a bug in the reader, not a damaged file")
+
+  monkeypatch.setattr(checkpoint.Checkpointer, "_restore_step", broken)
+  with pytest.raises(TypeError, match="not a damaged file"):
+    _manager(tmp_path).restore_latest(_abstract(_state(0.0)), _iterator())
+  assert (tmp_path / "checkpoints" / "2").is_dir()
+  assert not (tmp_path / "checkpoints_damaged").exists()
+
+
 def test_damaged_newest_stops_naming_the_step(tmp_path):
   ck = _manager(tmp_path)
   _save_steps(ck, [1, 2])
