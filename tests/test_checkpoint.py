@@ -151,6 +151,53 @@ def test_fingerprint_sees_moved_and_changed_values():
   assert not bool(finite)
 
 
+@pytest.mark.parametrize(
+    "shape,dtype,spec",
+    [
+        ((3, 4), np.float32, ()),
+        ((3, 4), np.float32, (None, "d")),
+        ((8, 5, 3), jnp.bfloat16, ("d",)),
+        ((16,), np.int32, ("d",)),
+        ((4, 6), np.bool_, ("d", None)),
+        ((8, 9), np.uint8, ("d",)),
+        ((), np.float32, ()),
+        ((8, 2), np.float16, (None, "d")),
+    ],
+)
+def test_host_fingerprint_equals_device_fingerprint(shape, dtype, spec):
+  """Small leaves are summed by numpy, large ones by XLA: both must give the same bits, for
+  any sharding (a checkpoint saved one way is verified the other way on restore)."""
+  rng = np.random.default_rng(sum(shape) + len(spec))
+  values = rng.standard_normal(shape) * 100
+  if dtype == np.bool_:
+    values = values > 0
+  x = jnp.asarray(values, dtype)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",))
+  x = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
+  device_sum, device_finite = jax.device_get(checkpoint._leaf_fingerprint(x))
+  host_sum, host_finite = checkpoint._host_leaf_fingerprint(
+      x.shape, x.dtype, checkpoint._host_blocks(x)
+  )
+  assert host_sum == int(device_sum) and host_finite == bool(device_finite)
+  assert int(checkpoint.fingerprint([x])[0][0]) == host_sum  # small: fingerprint takes numpy's
+  if jnp.issubdtype(x.dtype, jnp.inexact) and x.ndim:
+    bad = x.at[(0,) * x.ndim].set(jnp.nan)
+    assert not checkpoint.fingerprint([bad])[1]
+    assert not checkpoint._host_leaf_fingerprint(bad.shape, bad.dtype, checkpoint._host_blocks(bad))[1]
+
+
+def test_large_leaves_take_the_device_path_and_agree(monkeypatch):
+  x = jnp.arange(3 * 1000, dtype=jnp.float32).reshape(3, 1000)
+  host = checkpoint.fingerprint([x, np.asarray(x)])[0]
+  monkeypatch.setattr(checkpoint, "HOST_FINGERPRINT_MAX_ELEMENTS", 10)
+  calls = []
+  real = checkpoint._leaf_fingerprint
+  monkeypatch.setattr(checkpoint, "_leaf_fingerprint", lambda v: calls.append(v) or real(v))
+  device = checkpoint.fingerprint([x, np.asarray(x)])[0]
+  assert len(calls) == 2
+  np.testing.assert_array_equal(host, device)
+
+
 _MANY_SHARDED_LEAVES = """
 import jax, numpy as np
 jax.config.update("jax_num_cpu_devices", 2)
