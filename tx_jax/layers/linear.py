@@ -89,7 +89,7 @@ def project(x: Array, kernel: Array, in_dims: int, preferred_element_type=None) 
   8192) 160 ms against 131. At equal widths dot(x, dy) also wins inside the model: q, k
   and v share their input, so XLA transposes x once instead of three cotangents (bench
   step 1.5% faster). Where the projection narrows, autodiff's form is as fast or faster
-  (MLP down: 35 vs 39 ms) and is kept (docs/performance.md).
+  (MLP down: 35 vs 39 ms) and is kept (docs/performance_cpu_changes.md).
   """
   in_size = int(np.prod(kernel.shape[:in_dims]))
   out_size = int(np.prod(kernel.shape[in_dims:]))
