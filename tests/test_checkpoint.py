@@ -183,7 +183,8 @@ def test_host_fingerprint_equals_device_fingerprint(shape, dtype, spec):
   if jnp.issubdtype(x.dtype, jnp.inexact) and x.ndim:
     bad = x.at[(0,) * x.ndim].set(jnp.nan)
     assert not checkpoint.fingerprint([bad])[1]
-    assert not checkpoint._host_leaf_fingerprint(bad.shape, bad.dtype, checkpoint._host_blocks(bad))[1]
+    blocks = checkpoint._host_blocks(bad)
+    assert not checkpoint._host_leaf_fingerprint(bad.shape, bad.dtype, blocks)[1]
 
 
 def test_large_leaves_take_the_device_path_and_agree(monkeypatch):

@@ -40,7 +40,8 @@ class Shape:
   cpu_devices: int = 1
   # The mesh axis those devices form: "data" (params replicated) or "fsdp" (params and
   # optimizer state split, ZeRO-3). fsdp halves each device's AdamW work and pays per-layer
-  # all-gathers: bench step 1.046x over data, tiny-shakespeare 0.915x (docs/performance_cpu_changes.md).
+  # all-gathers: bench step 1.046x over data, tiny-shakespeare 0.915x
+  # (docs/performance_cpu_changes.md).
   mesh_axis: str = "data"
 
   @property

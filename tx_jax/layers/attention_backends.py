@@ -281,7 +281,8 @@ _chunked_attention.defvjp(_chunked_attention_fwd, _chunked_attention_bwd)
 # Causal self-attention splits its queries into this many chunks, each attending only to
 # the keys up to its last query: with 4, 10/16 of the [T, T] scores are computed. At the
 # bench shape (T 256, 8 heads of 64) attention fwd+bwd ran 1.33x faster with 4 chunks than
-# with 1, 1.2x with 8 and 0.84x with 16 (docs/performance_cpu_changes.md); chunks stay >= 64 queries.
+# with 1, 1.2x with 8 and 0.84x with 16 (docs/performance_cpu_changes.md); chunks stay
+# >= 64 queries.
 CAUSAL_QUERY_CHUNKS = 4
 MIN_QUERY_CHUNK = 64
 
