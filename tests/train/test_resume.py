@@ -4,6 +4,7 @@ import random
 import signal
 import time
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -14,8 +15,16 @@ pytestmark = pytest.mark.slow
 
 
 def _final_params(workdir, step):
-  tree = ocp.PyTreeCheckpointer().restore(workdir / "checkpoints" / str(step) / "state")
-  return tree["params"]
+  """The params saved at `step`, as numpy (no shardings to guess, so Orbax has no warning)."""
+  path = workdir / "checkpoints" / str(step) / "state"
+  checkpointer = ocp.PyTreeCheckpointer()
+  saved = checkpointer.metadata(path).item_metadata.tree
+  as_numpy = jax.tree.map(
+      lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
+      saved,
+      is_leaf=lambda x: isinstance(x, ocp.metadata.ArrayMetadata),
+  )
+  return checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))["params"]
 
 
 def _kill_when(proc, workdir, step, deadline=300, after_checkpoint=None, finished_ok=False):
