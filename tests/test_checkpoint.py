@@ -74,7 +74,15 @@ def test_keeps_last_k_plus_best(tmp_path):
   ck.close()
 
 
-@pytest.mark.parametrize("damage", ["truncate", "delete", "flip"])
+# A truncated array makes one of Orbax's shard-reading coroutines fail; the restore reports
+# it (and falls back), but Orbax leaves a sibling coroutine's exception unretrieved, which
+# pytest would print as an unraisable-exception warning from Orbax's internals.
+_ORBAX_UNRETRIEVED = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+@pytest.mark.parametrize(
+    "damage", [pytest.param("truncate", marks=_ORBAX_UNRETRIEVED), "delete", "flip"]
+)
 def test_damaged_newest_falls_back_to_previous(tmp_path, damage, caplog):
   ck = _manager(tmp_path)
   _save_steps(ck, [1, 2])
