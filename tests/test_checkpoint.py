@@ -183,16 +183,14 @@ def test_host_fingerprint_equals_device_fingerprint(shape, dtype, spec):
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",))
   x = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
   device_sum, device_finite = jax.device_get(checkpoint._leaf_fingerprint(x))
-  host_sum, host_finite = checkpoint._host_leaf_fingerprint(
-      x.shape, x.dtype, checkpoint._host_blocks(x)
-  )
+  host_sum, host_finite = checkpoint._host_leaf_fingerprint(x.shape, checkpoint._host_blocks(x))
   assert host_sum == int(device_sum) and host_finite == bool(device_finite)
   assert int(checkpoint.fingerprint([x])[0][0]) == host_sum  # small: fingerprint takes numpy's
   if jnp.issubdtype(x.dtype, jnp.inexact) and x.ndim:
     bad = x.at[(0,) * x.ndim].set(jnp.nan)
     assert not checkpoint.fingerprint([bad])[1]
     blocks = checkpoint._host_blocks(bad)
-    assert not checkpoint._host_leaf_fingerprint(bad.shape, bad.dtype, blocks)[1]
+    assert not checkpoint._host_leaf_fingerprint(bad.shape, blocks)[1]
 
 
 def test_large_leaves_take_the_device_path_and_agree(monkeypatch):

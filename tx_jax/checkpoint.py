@@ -128,7 +128,7 @@ def _host_blocks(x: Any) -> list[tuple[tuple[int, ...], np.ndarray]] | None:
 
 
 def _host_leaf_fingerprint(
-    shape: tuple[int, ...], dtype: Any, blocks: list[tuple[tuple[int, ...], np.ndarray]]
+    shape: tuple[int, ...], blocks: list[tuple[tuple[int, ...], np.ndarray]]
 ) -> tuple[int, bool]:
   """`_leaf_fingerprint` in numpy over an array's blocks: the same value, bit for bit.
 
@@ -136,7 +136,6 @@ def _host_leaf_fingerprint(
   (a value mod 2^32) exactly the device's.
   """
   strides = [int(np.prod(shape[d + 1 :], dtype=np.int64)) for d in range(len(shape))]
-  inexact = jnp.issubdtype(dtype, jnp.inexact)
   total, finite = 0, True
   for offset, values in blocks:
     index = np.zeros(values.shape, np.uint64)
@@ -149,6 +148,7 @@ def _host_leaf_fingerprint(
     else:
       words = values.view(_unsigned(values.dtype)).astype(np.uint32)
     total = (total + int(np.sum(words * weights, dtype=np.uint32))) % 2**32
+    inexact = jnp.issubdtype(values.dtype, jnp.inexact)
     finite = finite and (not inexact or bool(np.isfinite(values).all()))
   return total, finite
 
@@ -171,8 +171,7 @@ def fingerprint(tree: Any) -> tuple[np.ndarray, bool]:
     if blocks is None:
       on_device.append(i)
     else:
-      dtype = x.dtype if hasattr(x, "dtype") else blocks[0][1].dtype
-      results[i] = _host_leaf_fingerprint(np.shape(x), dtype, blocks)
+      results[i] = _host_leaf_fingerprint(np.shape(x), blocks)
   group = sharding.MAX_COLLECTIVE_PROGRAMS_IN_FLIGHT  # each sharded leaf's sum is a collective
   for start in range(0, len(on_device), group):
     chunk = on_device[start : start + group]
