@@ -257,3 +257,39 @@ def test_translation_presets_report_beam_bleu_like_the_paper():
     assert "bleu" in t.decode_metrics, preset
     assert (t.decode_strategy, t.beam_size, t.alpha) == ("beam", 4, 0.6), preset
     evaluation.validate(transformer.get_config(preset))
+
+
+def test_evaluator_pulls_sums_in_bounded_groups_and_adds_them_in_order(monkeypatch):
+  """40 batches: 3 pulls of <= MAX_COLLECTIVE_PROGRAMS_IN_FLIGHT steps; totals as per batch."""
+  rng = np.random.default_rng(0)
+  batches = [{"nll": rng.uniform(0, 9), "weight": float(rng.integers(1, 50))} for _ in range(40)]
+  config = tiny_config()
+  config.train.decode_metrics = ()
+  monkeypatch.setattr(evaluation.data, "build_eval_batches", lambda config, split: batches)
+  in_flight, groups = [0], []
+
+  def eval_step(params, batch):
+    in_flight[0] += 1
+    return {
+        "nll_sum": jnp.float32(batch["nll"]),
+        "correct_sum": jnp.float32(1.0),
+        "weight_sum": jnp.float32(batch["weight"]),
+    }
+
+  device_get = jax.device_get
+
+  def counting_get(tree):
+    groups.append(in_flight[0])
+    in_flight[0] = 0
+    return device_get(tree)
+
+  monkeypatch.setattr(jax, "device_get", counting_get)
+  evaluator = evaluation.Evaluator(config, None, eval_step, lambda b: b, None)
+  got = evaluator.evaluate(params=None)
+  limit = evaluation.sharding.MAX_COLLECTIVE_PROGRAMS_IN_FLIGHT
+  assert groups == [limit, limit, 40 - 2 * limit]
+  nll = weight = 0.0
+  for b in batches:  # the host's float64 sums of the float32 values, in batch order
+    nll, weight = nll + float(np.float32(b["nll"])), weight + float(np.float32(b["weight"]))
+  assert got["eval_loss"] == nll / weight
+  assert got["eval_accuracy"] == 40 / weight

@@ -114,8 +114,8 @@ def use_cpu_devices(mesh_cfg: ml_collections.ConfigDict) -> None:
 
   A limit of XLA:CPU (jax 0.10) to know: with several devices, more than ~33 programs with
   collectives in flight hang until a 40 s rendezvous timeout aborts the process. The
-  trainer never runs more than MAX_COLLECTIVE_PROGRAMS_IN_FLIGHT steps ahead, its evaluator
-  waits for every batch, and checkpoint fingerprints wait after as many leaves.
+  trainer never runs more than MAX_COLLECTIVE_PROGRAMS_IN_FLIGHT steps ahead, and its
+  evaluator and the checkpoint fingerprints wait after as many batches or leaves.
   """
   count = cpu_device_count(mesh_cfg)
   if count == 0:
