@@ -24,6 +24,13 @@ _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Describe the model and its shard
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in a multi-host run.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
+_COMPILATION_CACHE_DIR = flags.DEFINE_string(
+    "compilation_cache_dir",
+    None,
+    "JAX's persistent compilation cache, so re-runs skip XLA compiles. Default: "
+    "$JAX_COMPILATION_CACHE_DIR if set, else ~/.cache/tx_jax/xla; empty: off "
+    "(tx_jax.compile_cache).",
+)
 
 
 def main(argv) -> int:
@@ -36,7 +43,7 @@ def main(argv) -> int:
   config = _CONFIG.value
   sharding.use_cpu_devices(config.mesh)  # before anything starts JAX's backend
   multihost.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-  from tx_jax import validation  # pylint: disable=g-import-not-at-top
+  from tx_jax import compile_cache, validation  # pylint: disable=g-import-not-at-top
   from tx_jax.train import loop  # pylint: disable=g-import-not-at-top
 
   loop.validate(config)
@@ -44,6 +51,7 @@ def main(argv) -> int:
     print(loop.dry_run_report(config))
     return 0
   validation.workdir_matches(config, _WORKDIR.value)
+  compile_cache.enable(_COMPILATION_CACHE_DIR.value)  # before the first compile
   result = loop.train_and_evaluate(config, _WORKDIR.value)
   shown = {k: v for k, v in result.items() if k.startswith("eval_") or k in ("step", "loss")}
   print(

@@ -72,12 +72,14 @@ def launch(flags: list[str], **kwargs) -> subprocess.Popen:
   )
 
 
-def run(flags: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+def run(
+    flags: list[str], timeout: float = 600, extra_env: dict | None = None
+) -> subprocess.CompletedProcess:
   """Runs the trainer to completion."""
   return subprocess.run(
       [sys.executable, "-m", "experiments.train", *flags],
       cwd=REPO,
-      env=env(),
+      env=dict(env(), **(extra_env or {})),
       capture_output=True,
       text=True,
       timeout=timeout,
