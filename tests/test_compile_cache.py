@@ -49,13 +49,24 @@ def test_a_path_that_cannot_be_a_folder_is_named(tmp_path):
     compile_cache.resolve(str(blocker / "xla"))
 
 
+def test_an_unusable_default_folder_only_turns_the_cache_off(
+    environment_chose_nothing, tmp_path, monkeypatch, capsys
+):
+  (tmp_path / "file").write_text("not a folder")
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
+  assert compile_cache.resolve(None) is None
+  assert "note: no compilation cache: " in capsys.readouterr().err
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may write into a read-only folder")
 def test_a_read_only_folder_is_named(tmp_path):
   folder = tmp_path / "ro"
   folder.mkdir()
   folder.chmod(0o500)
   try:
-    with pytest.raises(ValueError, match=r"--compilation_cache_dir='.*ro': the directory is not"):
+    with pytest.raises(
+        ValueError, match=r"--compilation_cache_dir='.*ro': the directory is not writable"
+    ):
       compile_cache.resolve(str(folder))
   finally:
     folder.chmod(0o700)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import sys
 
 import jax
 
@@ -41,31 +42,41 @@ def default_dir() -> pathlib.Path:
   return pathlib.Path(base) / "tx_jax" / "xla"
 
 
+def _unusable(path: pathlib.Path) -> str | None:
+  """Why `path` cannot hold the cache (created if missing), or None when it can."""
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    return f"cannot create the directory ({e.strerror})"
+  if not os.access(path, os.W_OK | os.X_OK):
+    return "the directory is not writable"
+  return None
+
+
 def resolve(flag: str | None) -> pathlib.Path | None:
   """The directory `enable(flag)` would use; None when the cache stays off or is JAX's own.
 
-  Raises ValueError, naming the flag, for a path that cannot be a writable directory.
+  A folder named by the flag that cannot be used is a ValueError naming the flag. The
+  default folder is only a convenience: when it cannot be used (a read-only home), the run
+  goes on without a cache and a one-line note says why.
   """
   if flag is None:
     if jax.config.jax_compilation_cache_dir or not jax.config.jax_enable_compilation_cache:
       return None  # the environment chose; JAX's settings stand
     path = default_dir()
-  elif not flag:
+    problem = _unusable(path)
+    if problem:
+      print(f"note: no compilation cache: {path}: {problem}", file=sys.stderr)
+      return None
+    return path
+  if not flag:
     return None
-  else:
-    path = pathlib.Path(flag).expanduser()
-  try:
-    path.mkdir(parents=True, exist_ok=True)
-  except OSError as e:
+  path = pathlib.Path(flag).expanduser()
+  problem = _unusable(path)
+  if problem:
     raise ValueError(
-        f"--compilation_cache_dir={flag if flag is not None else str(path)!r}: cannot create "
-        f"the directory ({e.strerror}); pass a writable directory, or an empty value to "
-        "turn the cache off"
-    ) from e
-  if not os.access(path, os.W_OK | os.X_OK):
-    raise ValueError(
-        f"--compilation_cache_dir={str(path)!r}: the directory is not writable; pass a "
-        "writable directory, or an empty value to turn the cache off"
+        f"--compilation_cache_dir={flag!r}: {problem}; pass a writable directory, or an "
+        "empty value to turn the cache off"
     )
   return path
 
