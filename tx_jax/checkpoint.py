@@ -29,7 +29,7 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
-from tx_jax import sharding, validation
+from tx_jax import failed_read_noise, sharding, validation
 
 ON_CORRUPT = validation.ON_CORRUPT
 
@@ -330,46 +330,58 @@ class Checkpointer:
     """
     self.manager.reload()
     steps = sorted(self.manager.all_steps(), reverse=True)
-    for step in steps:
-      self._check_match(step, abstract_state)  # a mismatch is the config's fault: no fallback
-      try:
-        return self._restore_step(step, abstract_state, data_iter), step
-      except CheckpointMismatchError:
-        raise
-      except ValueError as e:
-        if _MISMATCH.search(str(e)):  # Orbax: the on-disk tree is not the config's
-          raise CheckpointMismatchError(
-              f"checkpoint step {step} at {self.directory / str(step)} does not match the "
-              f"config ({str(e).splitlines()[0][:200]}); it was left in place: train with the "
-              "config it was written with (--config=configs/workdir.py:WORKDIR) or use another "
-              "--workdir"
-          ) from e
-        self._damaged(step, e)
-        continue
-      except (OSError, CheckpointError) as e:  # missing files; values that fail their fingerprints
-        self._damaged(step, e)
-      except Exception as e:  # noqa: BLE001
-        # Orbax reports an array it cannot read (a truncated or garbled file) as a bare
-        # Exception. Anything more specific is a bug or a wrong setup, not damage: it
-        # propagates and the step stays where it is.
-        if type(e) is not Exception:
+    # Around the whole search: a failed read's exception (which holds Orbax's abandoned
+    # reads) is released by the time the noise they make is waited out, so the error that
+    # stops the run is raised only after the block.
+    stop = None
+    with failed_read_noise.HeldBack() as noise:
+      for step in steps:
+        self._check_match(step, abstract_state)  # a mismatch is the config's fault: no fallback
+        try:
+          return self._restore_step(step, abstract_state, data_iter), step
+        except CheckpointMismatchError:
           raise
-        self._damaged(step, e)
+        except ValueError as e:
+          if _MISMATCH.search(str(e)):  # Orbax: the on-disk tree is not the config's
+            raise CheckpointMismatchError(
+                f"checkpoint step {step} at {self.directory / str(step)} does not match the "
+                f"config ({str(e).splitlines()[0][:200]}); it was left in place: train with the "
+                "config it was written with (--config=configs/workdir.py:WORKDIR) or use another "
+                "--workdir"
+            ) from e
+          stop = self._damaged(step, e)
+        except (OSError, CheckpointError) as e:  # missing files; values failing fingerprints
+          stop = self._damaged(step, e)
+        except Exception as e:  # noqa: BLE001
+          # Orbax reports an array it cannot read (a truncated or garbled file) as a bare
+          # Exception. Anything more specific is a bug or a wrong setup, not damage: it
+          # propagates and the step stays where it is.
+          if type(e) is not Exception:
+            raise
+          stop = self._damaged(step, e)
+        noise.read_failed()  # reached only when this step was damaged
+        if stop is not None:
+          break
+    if stop is not None:
+      raise stop
     if steps:
       raise CheckpointError(f"every checkpoint in {self.directory} (steps {steps}) is damaged")
     return None
 
-  def _damaged(self, step: int, error: Exception) -> None:
-    """Stops naming the damaged step, or moves it aside so that the caller falls back."""
+  def _damaged(self, step: int, error: Exception) -> CheckpointError | None:
+    """The error that stops the run, naming the damaged step; or None once the step is
+    moved aside, so that the caller falls back."""
     e = error
+    while e.__cause__ is not None:  # Orbax wraps the reader's own message ("OUT_OF_RANGE: ...")
+      e = e.__cause__
     reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
     where = self.directory / str(step)
     if self.cfg.on_corrupt == "stop":
-      raise CheckpointError(
+      return CheckpointError(
           f"checkpoint step {step} at {where} is damaged ({reason}); stopping because "
           "config.checkpoint.on_corrupt='stop'. Move that step away to resume from an "
           "older one, or set --config.checkpoint.on_corrupt=fallback."
-      ) from None
+      )
     logging.warning(
         "checkpoint step %d at %s is damaged (%s); moving it to %s and "
         "falling back to the previous checkpoint",
@@ -378,6 +390,7 @@ class Checkpointer:
         reason,
         self._quarantine(step),
     )
+    return None
 
   def _quarantine(self, step: int) -> pathlib.Path:
     """Moves a damaged step out of the manager's directory so that it can be saved again."""
