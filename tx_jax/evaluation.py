@@ -200,7 +200,7 @@ class Evaluator:
     totals = {}
     batches = self._eval_batches()
     # Dispatch a group of batches, then pull their sums: the host prepares batch i+1 while
-    # the device runs batch i (pulling after every batch cost ~7% of the Tiny Shakespeare
+    # the device runs batch i (pulling after every batch cost ~4% of the Tiny Shakespeare
     # eval, docs/performance.md). A group stays within XLA:CPU's limit on programs with
     # collectives in flight; the host adds the sums in batch order, as before.
     group = sharding.MAX_COLLECTIVE_PROGRAMS_IN_FLIGHT
