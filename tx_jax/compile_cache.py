@@ -87,7 +87,7 @@ def enable(flag: str | None) -> pathlib.Path | None:
   Returns the directory in use, or None when the cache is off or left to JAX's settings.
   """
   path = resolve(flag)
-  if flag is not None and not flag:
+  if flag == "":
     jax.config.update("jax_enable_compilation_cache", False)
   if path is not None:
     jax.config.update("jax_compilation_cache_dir", str(path))

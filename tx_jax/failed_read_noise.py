@@ -50,17 +50,15 @@ class _Unretrieved(logging.Filter):
 
 
 class HeldBack:
-  """Drops the noise of a failed Orbax read (see the module docstring); counts it."""
+  """Drops the noise of a failed Orbax read (see the module docstring)."""
 
   def __init__(self):
-    self.dropped = 0
     self._failed = False
-    self._last_drop = time.monotonic()
+    self._last_drop = 0.0  # monotonic time of the newest dropped report
     self._lock = threading.Lock()
 
   def _drop(self) -> None:
     with self._lock:
-      self.dropped += 1
       self._last_drop = time.monotonic()
 
   def read_failed(self) -> None:
@@ -85,7 +83,7 @@ class HeldBack:
 
   def __exit__(self, error_type, error, traceback) -> None:
     try:
-      if self._failed or self.dropped:  # the siblings finish (and are collected) shortly
+      if self._failed:  # the siblings finish (and are collected) shortly
         self._settle()
     finally:
       self._warnings.__exit__(None, None, None)
