@@ -21,7 +21,7 @@ def first_step(config, batch: dict) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
 
   from tx_jax import models as tx_models  # pylint: disable=g-import-not-at-top
-  from tx_jax.train import loop, optimizers, state as state_lib, steps as steps_lib
+  from tx_jax.train import loop, optimizers, run as run_lib, state as state_lib, steps as steps_lib
 
   start = time.perf_counter()
   module = tx_models.build(config.model)
@@ -37,6 +37,7 @@ def first_step(config, batch: dict) -> dict:
   step = jax.jit(
       functools.partial(steps_lib.train_step, apply_fn=apply_fn, tx=tx, schedule=schedule),
       donate_argnums=0,
+      compiler_options=run_lib.train_step_compiler_options(jax.default_backend()),
   )
   lowered = step.lower(state, batch)
   t_lower = time.perf_counter()

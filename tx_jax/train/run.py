@@ -150,6 +150,22 @@ def state_layout(config, module, tx, example: dict, mesh, rules) -> StateLayout:
   return StateLayout(init_fn, boxed_params, abstract_state, shardings)
 
 
+# XLA:CPU's default copy insertion copies every donated buffer that two fusions with no
+# order between them read. In the train step those are all of Adam's moments: the
+# parameter update's fusion recomputes the new moments from the old ones while the
+# moments' own fusion overwrites them in place, so each step began with a copy of every
+# moment leaf (136 on tiny-shakespeare, 1.7M floats). Region analysis finds the order
+# that makes the copies unnecessary; the program computes the same bits
+# (docs/performance.md, tenth part). Given per program, not through XLA_FLAGS, so a
+# user's own programs in the same process are left as they were.
+CPU_TRAIN_STEP_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
+
+
+def train_step_compiler_options(platform: str) -> dict[str, Any]:
+  """`jax.jit(compiler_options=...)` for a train step that runs on `platform`'s devices."""
+  return dict(CPU_TRAIN_STEP_OPTIONS) if platform == "cpu" else {}
+
+
 def jit_steps(config, module, tx, schedule, shardings, mesh, rules):
   """The train step (state donated) and eval step, traced under the mesh and logical rules."""
   apply_fn = make_apply_fn(module, config.model)
@@ -166,6 +182,7 @@ def jit_steps(config, module, tx, schedule, shardings, mesh, rules):
       in_shardings=(shardings, batch_sharding),
       out_shardings=(shardings, replicated),
       donate_argnums=0,
+      compiler_options=train_step_compiler_options(mesh.devices.flat[0].platform),
   )
   eval_step = jax.jit(
       sharding.with_rules(functools.partial(steps.eval_step, apply_fn=apply_fn), mesh, rules),
