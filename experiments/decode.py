@@ -6,6 +6,8 @@ r"""Decode from a trained workdir or a HuggingFace model directory.
 
 --strategy defaults to "sample" for --prompt / --prompt_ids and "beam" for --input_file.
 With --json every output is one JSON line: input, tokens (generated ids), text.
+Compiled programs are kept in JAX's persistent cache (--compilation_cache_dir, as in
+experiments.train), so a second decode of the same model skips its compiles.
 """
 
 import json
@@ -31,6 +33,7 @@ _ALPHA = flags.DEFINE_float("alpha", 0.6, "GNMT length penalty exponent.")
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON line per output.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 32, "Inputs decoded together.")
+_COMPILATION_CACHE_DIR = cli.define_compilation_cache_dir()
 
 
 def main(argv) -> int:
@@ -44,6 +47,7 @@ def main(argv) -> int:
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.ERROR)  # Orbax warns about read-only checkpoint dirs
   import jax  # pylint: disable=g-import-not-at-top
+  from tx_jax import compile_cache  # pylint: disable=g-import-not-at-top
   from tx_jax import decode, validation, workdir  # pylint: disable=g-import-not-at-top
   from tx_jax.decode import workdir as wd  # pylint: disable=g-import-not-at-top
 
@@ -68,6 +72,7 @@ def main(argv) -> int:
       beam_size=_BEAM_SIZE.value,
       alpha=_ALPHA.value,
   ).validate()
+  compile_cache.enable(_COMPILATION_CACHE_DIR.value)  # before the first compile
   config, module, params, _ = wd.load(_WORKDIR.value)
   tokenizer = workdir.build_tokenizer(config)  # None: the model came without one (ids only)
   special = workdir.special_ids(config, tokenizer)  # config.data's (converted HF), else its own

@@ -24,13 +24,7 @@ _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Describe the model and its shard
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in a multi-host run.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
-_COMPILATION_CACHE_DIR = flags.DEFINE_string(
-    "compilation_cache_dir",
-    None,
-    "JAX's persistent compilation cache, so re-runs skip XLA compiles. Default: "
-    "$JAX_COMPILATION_CACHE_DIR if set, else ~/.cache/tx_jax/xla; empty: off "
-    "(tx_jax.compile_cache).",
-)
+_COMPILATION_CACHE_DIR = cli.define_compilation_cache_dir()
 
 
 def main(argv) -> int:

@@ -166,6 +166,17 @@ def define_config_file(name: str, **kwargs):
     sys.exit(USAGE)
 
 
+def define_compilation_cache_dir():
+  """`--compilation_cache_dir`, for the entry points that compile (tx_jax.compile_cache)."""
+  return flags.DEFINE_string(
+      "compilation_cache_dir",
+      None,
+      "JAX's persistent compilation cache, so re-runs skip XLA compiles. Default: "
+      "$JAX_COMPILATION_CACHE_DIR if set, else ~/.cache/tx_jax/xla; empty: off "
+      "(tx_jax.compile_cache).",
+  )
+
+
 def guarded(main: Callable[[list[str]], int | None]) -> Callable[[list[str]], int]:
   """`main` with every exception turned into one `error:` line and an exit code."""
 

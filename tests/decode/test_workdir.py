@@ -51,8 +51,8 @@ def write_workdir(path, config, example_inputs):
   return module, params
 
 
-def run_cli(*args):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+def run_cli(*args, extra_env=None):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", **(extra_env or {}))
   return subprocess.run(
       [sys.executable, "-m", "experiments.decode", *args],
       cwd=ROOT,
@@ -105,6 +105,27 @@ def test_cli_prompt_ids_json_greedy_equals_the_library(lm_workdir):
   want = decode.strip_generated(np.asarray(out.tokens[0]), int(out.lengths[0]), EOS)
   assert record["tokens"] == want
   assert record["text"] == ByteTokenizer().decode(want)
+
+
+@pytest.mark.slow
+def test_cli_a_second_decode_loads_its_program_from_the_cache(lm_workdir, tmp_path):
+  path, _, _ = lm_workdir
+  cache = tmp_path / "cache"
+  args = ["--workdir", str(path), "--prompt_ids", "40,41,42", "--strategy", "greedy", "--json"]
+  args += ["--max_new_tokens", "6"]
+  args.append(f"--compilation_cache_dir={cache}")
+  extra = {
+      # The session's cache (conftest) is replaced by an empty one the flag must override.
+      "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "env_cache"),
+      "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",  # the test model compiles fast
+      "JAX_DEBUG_LOG_MODULES": "jax._src.compiler",  # logs each cache hit
+  }
+  first, second = [run_cli(*args, extra_env=extra) for _ in range(2)]
+  assert first.returncode == 0 and second.returncode == 0, first.stderr[-2000:]
+  assert any(p.name.startswith("jit__generate-") for p in cache.iterdir())
+  assert "cache hit for 'jit__generate'" not in first.stderr
+  assert "cache hit for 'jit__generate'" in second.stderr
+  assert second.stdout == first.stdout
 
 
 @pytest.mark.slow
