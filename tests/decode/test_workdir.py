@@ -111,9 +111,8 @@ def test_cli_prompt_ids_json_greedy_equals_the_library(lm_workdir):
 def test_cli_a_second_decode_loads_its_program_from_the_cache(lm_workdir, tmp_path):
   path, _, _ = lm_workdir
   cache = tmp_path / "cache"
-  args = ["--workdir", str(path), "--prompt_ids", "40,41,42", "--strategy", "greedy", "--json"]
-  args += ["--max_new_tokens", "6"]
-  args.append(f"--compilation_cache_dir={cache}")
+  args = ["--workdir", str(path), "--prompt_ids", "40,41,42", "--strategy", "greedy", "--json",
+          "--max_new_tokens", "6", f"--compilation_cache_dir={cache}"]
   extra = {
       # The session's cache (conftest) is replaced by an empty one the flag must override.
       "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "env_cache"),

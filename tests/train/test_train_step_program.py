@@ -45,11 +45,11 @@ def test_the_train_step_updates_adams_moments_in_place_with_the_same_bits():
   assert _copied_parameters(shipped.as_text()) == 0
 
   def three_steps(compiled):
-    state, losses = init(), []
+    state, packed_metrics = init(), []
     for _ in range(3):
       state, metrics = compiled(state, batch)
-      losses.append(np.asarray(metrics))
-    return [np.asarray(x) for x in jax.tree.leaves(state)] + losses
+      packed_metrics.append(np.asarray(metrics))
+    return [np.asarray(x) for x in jax.tree.leaves(state)] + packed_metrics
 
   for ours, theirs in zip(three_steps(shipped), three_steps(default), strict=True):
     np.testing.assert_array_equal(ours, theirs)
