@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from configs import gpt, train_defaults
-from tx_jax import checkpoint
+from tx_jax import checkpoint, checksums
 from tx_jax.train import loop
 
 
@@ -180,12 +180,12 @@ def test_never_saves_non_finite(tmp_path):
 
 def test_fingerprint_sees_moved_and_changed_values():
   x = jnp.arange(12, dtype=jnp.float32).reshape(3, 4)
-  base, finite = checkpoint.fingerprint([x])
+  base, finite = checksums.fingerprint([x])
   assert bool(finite)
-  swapped, _ = checkpoint.fingerprint([x[::-1]])
-  changed, _ = checkpoint.fingerprint([x.at[1, 1].add(1e-6)])
+  swapped, _ = checksums.fingerprint([x[::-1]])
+  changed, _ = checksums.fingerprint([x.at[1, 1].add(1e-6)])
   assert int(base[0]) != int(swapped[0]) and int(base[0]) != int(changed[0])
-  _, finite = checkpoint.fingerprint([x.at[0, 0].set(jnp.inf)])
+  _, finite = checksums.fingerprint([x.at[0, 0].set(jnp.inf)])
   assert not bool(finite)
 
 
@@ -212,25 +212,25 @@ def test_host_fingerprint_equals_device_fingerprint(shape, dtype, spec):
   x = jnp.asarray(values, dtype)
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",))
   x = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
-  device_sum, device_finite = jax.device_get(checkpoint._leaf_fingerprint(x))
-  host_sum, host_finite = checkpoint._host_leaf_fingerprint(x.shape, checkpoint._host_blocks(x))
+  device_sum, device_finite = jax.device_get(checksums._leaf_fingerprint(x))
+  host_sum, host_finite = checksums._host_leaf_fingerprint(x.shape, checksums._host_blocks(x))
   assert host_sum == int(device_sum) and host_finite == bool(device_finite)
-  assert int(checkpoint.fingerprint([x])[0][0]) == host_sum  # small: fingerprint takes numpy's
+  assert int(checksums.fingerprint([x])[0][0]) == host_sum  # small: fingerprint takes numpy's
   if jnp.issubdtype(x.dtype, jnp.inexact) and x.ndim:
     bad = x.at[(0,) * x.ndim].set(jnp.nan)
-    assert not checkpoint.fingerprint([bad])[1]
-    blocks = checkpoint._host_blocks(bad)
-    assert not checkpoint._host_leaf_fingerprint(bad.shape, blocks)[1]
+    assert not checksums.fingerprint([bad])[1]
+    blocks = checksums._host_blocks(bad)
+    assert not checksums._host_leaf_fingerprint(bad.shape, blocks)[1]
 
 
 def test_large_leaves_take_the_device_path_and_agree(monkeypatch):
   x = jnp.arange(3 * 1000, dtype=jnp.float32).reshape(3, 1000)
-  host = checkpoint.fingerprint([x, np.asarray(x)])[0]
-  monkeypatch.setattr(checkpoint, "HOST_FINGERPRINT_MAX_ELEMENTS", 10)
+  host = checksums.fingerprint([x, np.asarray(x)])[0]
+  monkeypatch.setattr(checksums, "HOST_FINGERPRINT_MAX_ELEMENTS", 10)
   calls = []
-  real = checkpoint._leaf_fingerprint
-  monkeypatch.setattr(checkpoint, "_leaf_fingerprint", lambda v: calls.append(v) or real(v))
-  device = checkpoint.fingerprint([x, np.asarray(x)])[0]
+  real = checksums._leaf_fingerprint
+  monkeypatch.setattr(checksums, "_leaf_fingerprint", lambda v: calls.append(v) or real(v))
+  device = checksums.fingerprint([x, np.asarray(x)])[0]
   assert len(calls) == 2
   np.testing.assert_array_equal(host, device)
 
@@ -238,13 +238,13 @@ def test_large_leaves_take_the_device_path_and_agree(monkeypatch):
 _MANY_SHARDED_LEAVES = """
 import jax, numpy as np
 jax.config.update("jax_num_cpu_devices", 2)
-from tx_jax import checkpoint
+from tx_jax import checkpoint, checksums
 mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
 split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
 base = np.arange(1024 * 1024, dtype=np.float32).reshape(1024, 1024)
-sums, finite = checkpoint.fingerprint([jax.device_put(base + i, split) for i in range(100)])
+sums, finite = checksums.fingerprint([jax.device_put(base + i, split) for i in range(100)])
 assert finite
-np.testing.assert_array_equal(sums, checkpoint.fingerprint([base + i for i in range(100)])[0])
+np.testing.assert_array_equal(sums, checksums.fingerprint([base + i for i in range(100)])[0])
 print("matched")
 """
 
@@ -330,3 +330,69 @@ def test_missing_best_metric_still_saves_the_state(tmp_path):
   state, step = _manager(tmp_path).restore_latest(_abstract(_state(0.0)), _iterator())
   assert step == 5
   _equal(state, _state(5.0))
+
+
+def test_a_step_written_by_orbaxs_standard_handler_restores_exactly(tmp_path):
+  """Workdirs saved before `state_handler` (StandardSave, replica-parallel) still resume."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  state, it = _state(3.0), _iterator()
+  next(it)
+  sums, _ = checksums.fingerprint(state)
+  meta = {
+      "step": 3,
+      "fingerprints": [int(s) for s in sums],
+      "data_fingerprints": [checkpoint.data_fingerprint(it.get_state())],
+  }
+  old = ocp.CheckpointManager(tmp_path / "checkpoints", item_names=("state", "data", "meta"))
+  old.save(
+      3,
+      args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state),
+          data=grain.checkpoint.CheckpointSave(it),
+          meta=ocp.args.JsonSave(meta),
+      ),
+  )
+  old.wait_until_finished()
+  old.close()
+  fresh = _iterator()
+  ck = _manager(tmp_path)
+  restored, step = ck.restore_latest(_abstract(_state(0.0)), fresh)
+  ck.close()
+  assert step == 3
+  _equal(restored, state)
+  np.testing.assert_array_equal(next(fresh), next(it))
+
+
+def _eager_slices_while_saving(tmp_path, monkeypatch) -> int:
+  """jax.lax.slice_in_dim calls (Orbax's replica slicing) while saving replicated state."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  state = jax.device_put(_state(2.0), replicated)
+  calls, slice_in_dim = [], jax.lax.slice_in_dim
+
+  def counted(*args, **kwargs):
+    calls.append(args[0].shape)
+    return slice_in_dim(*args, **kwargs)
+
+  monkeypatch.setattr(jax.lax, "slice_in_dim", counted)
+  ck = _manager(tmp_path)
+  ck.save(2, state, _iterator())
+  ck.wait()
+  restored, _ = ck.restore_latest(
+      jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), state),
+      _iterator(),
+  )
+  ck.close()
+  _equal(restored, state)
+  return len(calls)
+
+
+def test_one_process_saves_replicated_state_without_slicing_it(tmp_path, monkeypatch):
+  """Replica-parallel saving would cut each replicated leaf into one eager slice per device."""
+  assert _eager_slices_while_saving(tmp_path / "shipped", monkeypatch) == 0
+  # The same save through Orbax's default jax.Array handler slices: the count above can fail.
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  monkeypatch.setattr(checkpoint, "state_handler", ocp.PyTreeCheckpointHandler)
+  assert _eager_slices_while_saving(tmp_path / "default", monkeypatch) > 0

@@ -29,7 +29,7 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
-from tx_jax import failed_read_noise, sharding, validation
+from tx_jax import checksums, failed_read_noise, validation
 
 ON_CORRUPT = validation.ON_CORRUPT
 
@@ -75,110 +75,30 @@ def _shapes(tree: Any) -> dict[str, tuple]:
   return {_path(keys): tuple(getattr(leaf, "shape", ())) for keys, leaf in flat}
 
 
-# Leaves up to this many elements are checksummed by numpy from the host's shards; larger
-# ones by one small XLA program per shape. Each program costs ~0.1 s to compile: 1.35 s at
-# tiny-shakespeare's first save (14 shapes), where numpy takes ~0.1 ms per leaf.
-HOST_FINGERPRINT_MAX_ELEMENTS = 1 << 16
+def state_handler() -> ocp.PyTreeCheckpointHandler:
+  """Orbax's pytree handler, saving jax.Arrays replica-parallel only across processes.
 
-
-def _unsigned(dtype: Any) -> Any:
-  """The unsigned integer type of `dtype`'s width (numpy's, which jnp accepts too)."""
-  unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32}.get(np.dtype(dtype).itemsize)
-  if unsigned is None:
-    raise CheckpointError(f"cannot fingerprint dtype {dtype}: 1-, 2- or 4-byte types only")
-  return unsigned
-
-
-def _words(x: jax.Array) -> jax.Array:
-  """The raw bits of `x` as uint32 words (one per element)."""
-  if x.dtype == jnp.bool_:
-    return x.astype(jnp.uint32)
-  return jax.lax.bitcast_convert_type(x, _unsigned(x.dtype)).astype(jnp.uint32)
-
-
-@jax.jit
-def _leaf_fingerprint(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(uint32 checksum, whether it is finite) of one array; see `fingerprint`."""
-  x = jnp.asarray(x)
-  index = jnp.zeros(x.shape, jnp.uint32)
-  stride = 1
-  for d in reversed(range(x.ndim)):
-    index += jax.lax.broadcasted_iota(jnp.uint32, x.shape, d) * jnp.uint32(stride % 2**32)
-    stride *= x.shape[d]
-  total = jnp.sum(_words(x) * (index * jnp.uint32(2) + jnp.uint32(1)), dtype=jnp.uint32)
-  finite = jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.array(True)
-  return total, finite
-
-
-def _host_blocks(x: Any) -> list[tuple[tuple[int, ...], np.ndarray]] | None:
-  """(offset, values) of each distinct block of `x`, or None if this host lacks some.
-
-  Replicas are skipped (replica_id > 0). On CPU np.asarray of a shard copies nothing.
+  Replica-parallel saving cuts every replicated array into one slice per replica, so that
+  each replica writes 1/R of it. That pays when the replicas live on different hosts. On
+  one process the same process writes every slice anyway, and cutting them costs one eager
+  XLA slice per replica and leaf: 410 of them for tiny-shakespeare on 2 CPU devices, 0.9 s of
+  its first save (their compiles) and 0.1 s of each later one (docs/performance.md). The
+  bytes written are the same; only the chunk grid on disk differs, and either reads back.
   """
-  if not isinstance(x, jax.Array):
-    values = np.asarray(x)
-    return [((0,) * values.ndim, values)]
-  if not x.is_fully_addressable:
-    return None
-  return [
-      (tuple(s.start or 0 for s in shard.index), np.asarray(shard.data))
-      for shard in x.addressable_shards
-      if shard.replica_id == 0
-  ]
-
-
-def _host_leaf_fingerprint(
-    shape: tuple[int, ...], blocks: list[tuple[tuple[int, ...], np.ndarray]]
-) -> tuple[int, bool]:
-  """`_leaf_fingerprint` in numpy over an array's blocks: the same value, bit for bit.
-
-  Indexes wrap mod 2^64 and the products and sums mod 2^32, which leaves the checksum
-  (a value mod 2^32) exactly the device's.
-  """
-  strides = [int(np.prod(shape[d + 1 :], dtype=np.int64)) for d in range(len(shape))]
-  total, finite = 0, True
-  for offset, values in blocks:
-    index = np.zeros(values.shape, np.uint64)
-    for d, size in enumerate(values.shape):
-      along = (offset[d] + np.arange(size, dtype=np.uint64)) * np.uint64(strides[d])
-      index += along.reshape((size,) + (1,) * (values.ndim - d - 1))
-    weights = (index * np.uint64(2) + np.uint64(1)).astype(np.uint32)
-    if values.dtype == np.bool_:
-      words = values.astype(np.uint32)
-    else:
-      words = values.view(_unsigned(values.dtype)).astype(np.uint32)
-    total = (total + int(np.sum(words * weights, dtype=np.uint32))) % 2**32
-    inexact = jnp.issubdtype(values.dtype, jnp.inexact)
-    finite = finite and (not inexact or bool(np.isfinite(values).all()))
-  return total, finite
-
-
-def fingerprint(tree: Any) -> tuple[np.ndarray, bool]:
-  """(per-leaf uint32 checksums, whether every float leaf is finite) of a pytree of arrays.
-
-  The checksum is sum_i bits_i * (2i + 1) mod 2^32: exact integer arithmetic, so it is the
-  same under any sharding or reduction order, and it notices changed or moved elements.
-  Small leaves (HOST_FINGERPRINT_MAX_ELEMENTS) whose blocks are all on this host are
-  summed by numpy; the rest by one small program per distinct leaf shape, dtype and
-  sharding: a single program over the whole tree took 6.8 s to compile for gpt2-small's
-  589 leaves (10 distinct shapes), at the first save and again at every restore.
-  """
-  leaves = jax.tree_util.tree_leaves(tree)
-  results: list[Any] = [None] * len(leaves)
-  on_device = []
-  for i, x in enumerate(leaves):
-    blocks = _host_blocks(x) if np.size(x) <= HOST_FINGERPRINT_MAX_ELEMENTS else None
-    if blocks is None:
-      on_device.append(i)
-    else:
-      results[i] = _host_leaf_fingerprint(np.shape(x), blocks)
-  group = sharding.MAX_COLLECTIVE_PROGRAMS_IN_FLIGHT  # each sharded leaf's sum is a collective
-  for start in range(0, len(on_device), group):
-    chunk = on_device[start : start + group]
-    for i, result in zip(chunk, jax.device_get([_leaf_fingerprint(leaves[i]) for i in chunk])):
-      results[i] = result
-  sums = np.array([int(total) for total, _ in results], dtype=np.uint32)
-  return sums, all(bool(finite) for _, finite in results)
+  registry = ocp.type_handlers.create_type_handler_registry(
+      *[(ty, ocp.type_handlers.get_type_handler(ty)) for ty in ocp.type_handlers.supported_types()]
+  )
+  default = ocp.type_handlers.get_type_handler(jax.Array)
+  registry.add(
+      jax.Array,
+      ocp.type_handlers.ArrayHandler(
+          use_replica_parallel=jax.process_count() > 1,
+          # The default handler's store: the per-array metadata files stay as they were.
+          array_metadata_store=getattr(default, "_array_metadata_store", None),
+      ),
+      override=True,
+  )
+  return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
 
 
 class Checkpointer:
@@ -214,7 +134,10 @@ class Checkpointer:
         create=True,
     )
     self.manager = ocp.CheckpointManager(
-        self.directory, options=options, item_names=("state", "data", "meta")
+        self.directory,
+        options=options,
+        item_names=("state", "data", "meta"),
+        item_handlers={"state": state_handler()},
     )
 
   def latest_step(self) -> int | None:
@@ -227,7 +150,7 @@ class Checkpointer:
     """Starts saving `state` (and the iterator state) at `step`; refuses non-finite states."""
     if step in self.manager.all_steps():
       return
-    sums, finite = fingerprint(state)
+    sums, finite = checksums.fingerprint(state)
     if not finite:
       raise CheckpointError(
           f"refusing to save step {step}: the state holds a NaN or Inf; "
@@ -236,7 +159,7 @@ class Checkpointer:
     meta = {"step": int(step), "fingerprints": [int(s) for s in sums]}
     if self.model is not None:
       meta["model"] = self.model
-    items = {"state": ocp.args.StandardSave(state)}
+    items = {"state": ocp.args.PyTreeSave(state)}
     if data_iter is not None:
       meta["data_fingerprints"] = _all_processes(data_fingerprint(data_iter.get_state()))
       items["data"] = grain.checkpoint.CheckpointSave(data_iter)
@@ -299,12 +222,16 @@ class Checkpointer:
     )
 
   def _restore_step(self, step: int, abstract_state: Any, data_iter: Any) -> Any:
-    items = {"state": ocp.args.StandardRestore(abstract_state), "meta": ocp.args.JsonRestore()}
+    state_args = ocp.args.PyTreeRestore(
+        item=abstract_state,
+        restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state),
+    )
+    items = {"state": state_args, "meta": ocp.args.JsonRestore()}
     if data_iter is not None:
       items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
     restored = self.manager.restore(step, args=ocp.args.Composite(**items))
     state, meta = restored["state"], restored["meta"]
-    sums, finite = fingerprint(state)
+    sums, finite = checksums.fingerprint(state)
     if meta["step"] != step or [int(s) for s in sums] != meta["fingerprints"]:
       raise CheckpointError("restored values do not match the fingerprints saved with them")
     if not finite:
@@ -455,7 +382,7 @@ def restore_params(
     manager.close()
   params = restored["state"]["params"]
   # TrainState flattens as (step, params..., opt_state..., rng, skipped): params come 2nd.
-  sums, _ = fingerprint(params)
+  sums, _ = checksums.fingerprint(params)
   saved = restored["meta"]["fingerprints"][1 : 1 + len(sums)]
   if [int(s) for s in sums] != saved:
     raise CheckpointError(
