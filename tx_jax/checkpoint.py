@@ -85,18 +85,17 @@ def state_handler() -> ocp.PyTreeCheckpointHandler:
   its first save (their compiles) and 0.1 s of each later one (docs/performance.md). The
   bytes written are the same; only the chunk grid on disk differs, and either reads back.
   """
-  registry = ocp.type_handlers.create_type_handler_registry(
-      *[(ty, ocp.type_handlers.get_type_handler(ty)) for ty in ocp.type_handlers.supported_types()]
-  )
   default = ocp.type_handlers.get_type_handler(jax.Array)
-  registry.add(
-      jax.Array,
-      ocp.type_handlers.ArrayHandler(
-          use_replica_parallel=jax.process_count() > 1,
-          # The default handler's store: the per-array metadata files stay as they were.
-          array_metadata_store=getattr(default, "_array_metadata_store", None),
-      ),
-      override=True,
+  arrays = ocp.type_handlers.ArrayHandler(
+      use_replica_parallel=jax.process_count() > 1,
+      # The default handler's store: the per-array metadata files stay as they were.
+      array_metadata_store=getattr(default, "_array_metadata_store", None),
+  )
+  registry = ocp.type_handlers.create_type_handler_registry(
+      *[
+          (ty, arrays if ty is jax.Array else ocp.type_handlers.get_type_handler(ty))
+          for ty in ocp.type_handlers.supported_types()
+      ]
   )
   return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
 
