@@ -272,6 +272,23 @@ def test_bert_gamma_beta_names_load(tmp_path):
   assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
+def test_fused_and_separate_qkv_load_the_same_model(gpt_dir):
+  """GPT-2's c_attn loads as one [D, 3, N, H] kernel (the default) or as three; same logits."""
+  directory, _, _, params = gpt_dir
+  assert params["stack"]["layer_0"]["self_attention"]["qkv"]["kernel"].ndim == 4
+  config, module, fused = hf.from_pretrained(directory)
+  _, module3, separate = hf.from_pretrained(directory, fused_qkv=False)
+  assert config.model.fused_qkv and set(separate["stack"]["layer_0"]["self_attention"]) == {
+      "query", "key", "value", "out"
+  }
+  ids = jnp.asarray(np.random.RandomState(1).randint(1, 51, (2, 7)), jnp.int32)
+  np.testing.assert_allclose(
+      np.asarray(module.apply({"params": fused}, ids)),
+      np.asarray(module3.apply({"params": separate}, ids)),
+      atol=1e-5,
+  )
+
+
 def test_runtime_overrides_only(gpt_dir):
   with pytest.raises(ValueError, match="num_layers"):
     hf.from_pretrained(gpt_dir[0], num_layers=3)
@@ -280,7 +297,7 @@ def test_runtime_overrides_only(gpt_dir):
 @pytest.mark.parametrize(
     "preset,overrides,match",
     [
-        (gpt.get_config("tiny"), dict(num_kv_heads=2), "num_kv_heads=2"),
+        (gpt.get_config("tiny"), dict(num_kv_heads=2, fused_qkv=False), "num_kv_heads=2"),
         (gpt.get_config("tiny"), dict(positions="sinusoidal"), "positions='sinusoidal'"),
         (gpt.get_config("tiny"), dict(norm="rmsnorm"), "norm='rmsnorm'"),
         (

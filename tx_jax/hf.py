@@ -39,7 +39,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     a.name: a for a in (BERT_MODEL, BERT_MLM, BERT_CLASSIFIER, GPT2, T5, LLAMA)
 }
 # config.model fields that choose how the model runs, not what it computes.
-RUNTIME_FIELDS = ("dtype", "param_dtype", "attention_backend", "scan_layers", "remat_policy")
+RUNTIME_FIELDS = (
+    "dtype", "param_dtype", "attention_backend", "scan_layers", "remat_policy", "fused_qkv",
+)  # fmt: skip
 _TASKS = {
     ("decoder", "none"): "lm",
     ("encoder", "mlm"): "mlm",
@@ -52,6 +54,8 @@ _LEGACY_NAMES = (
 )
 _HEAD_PREFIXES = ("lm_head.", "cls.", "classifier.")  # keys outside the trunk
 _STACKED = re.compile(r"^(stack|encoder|decoder)/layer_(\d+)/(.*)$")
+_QKV_PARTS = ("query", "key", "value")
+_FUSED_QKV = re.compile(r"^(.*/self_attention/)qkv/(kernel|bias)$")
 
 __all__ = ["ARCHITECTURES", "ConversionError", "from_pretrained", "model_fields", "to_pretrained"]
 
@@ -107,6 +111,30 @@ def _stack_layers(flat: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
+def _fuse_qkv(flat: dict[str, Any]) -> dict[str, Any]:
+  """Self-attention's query/key/value kernels [D, N, H] (biases [N, H]) -> qkv [D, 3, N, H]."""
+  out = dict(flat)
+  for path in [p for p in flat if re.search(r"/self_attention/query/(kernel|bias)$", p)]:
+    prefix, leaf = path.rsplit("/query/", 1)
+    parts = [out.pop(f"{prefix}/{name}/{leaf}") for name in _QKV_PARTS]
+    out[f"{prefix}/qkv/{leaf}"] = np.stack(parts, axis=-3)
+  return out
+
+
+def _split_qkv(flat: dict[str, Any]) -> dict[str, Any]:
+  """The inverse of `_fuse_qkv`: the layout the HF mappings name."""
+  out = {}
+  for path, value in flat.items():
+    match = _FUSED_QKV.match(path)
+    if match is None:
+      out[path] = value
+      continue
+    prefix, leaf = match.groups()
+    for i, name in enumerate(_QKV_PARTS):
+      out[f"{prefix}{name}/{leaf}"] = np.take(np.asarray(value), i, axis=-3)
+  return out
+
+
 def _load_params(
     arch: Architecture,
     mc: ModelConfig,
@@ -149,6 +177,8 @@ def _load_params(
         f"{where}: {len(unexpected)} tensors have no place in a "
         f"{arch.name} as tx_jax builds it, e.g. {unexpected[:8]}"
     )
+  if mc.fused_qkv:
+    flat = _fuse_qkv(flat)
   if mc.scan_layers:
     flat = _stack_layers(flat)
   expected = traverse_util.flatten_dict(models.abstract_params(mc), sep="/")
@@ -227,7 +257,7 @@ def _architecture_for(mc: ModelConfig) -> Architecture:
 
 def _relevant(fields: Mapping[str, Any]) -> dict[str, Any]:
   """Drops fields the family's model never reads given the others (e.g. rope_theta w/o RoPE)."""
-  drop = {"init", "init_std"}
+  drop = {"init", "init_std", "fused_qkv"}  # fused_qkv: how tx_jax stores q, k, v, not what
   if fields["norm"] == "rmsnorm":
     drop.add("norm_bias")
   if fields["positions"] != "rope":
@@ -264,7 +294,7 @@ def to_pretrained(
     mc = ModelConfig.from_config(config.model if "model" in config else config)
   arch = _architecture_for(mc)
   params = models.unstack_layers(unfreeze(nn.unbox(jax.device_get(params))))  # as unrolled
-  flat = traverse_util.flatten_dict(params, sep="/")
+  flat = _split_qkv(traverse_util.flatten_dict(params, sep="/"))
   rules = arch.rules(mc)
   values = {
       **arch.write_config(mc),

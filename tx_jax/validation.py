@@ -300,7 +300,7 @@ SHAPE_FIELDS = (
     "family", "vocab_size", "d_model", "num_layers", "num_decoder_layers", "num_heads",
     "num_kv_heads", "head_dim", "mlp_dim", "gated_mlp", "norm", "norm_bias", "embed_norm",
     "positions", "relative_buckets", "tie_embeddings", "attention_bias", "mlp_bias",
-    "type_vocab_size", "pooler", "head", "num_classes", "scan_layers",
+    "type_vocab_size", "pooler", "head", "num_classes", "scan_layers", "fused_qkv",
 )  # fmt: skip
 
 

@@ -20,7 +20,7 @@ from tx_jax.decode.batches import WIDTH_MULTIPLE
 
 EOS = 2
 # Ids that these seeds' greedy outputs emit mid-row, so EOS stopping and stripping are tested.
-FAMILY_EOS = {"decoder": 8, "encdec": 2}
+FAMILY_EOS = {"decoder": 38, "encdec": 2}
 
 
 def tiny(config):

@@ -161,3 +161,56 @@ def test_attention_dropout_is_active_only_in_training():
   train_b = module.apply({"params": p}, x, train=True, rngs={"dropout": jax.random.PRNGKey(2)})
   assert not np.allclose(np.asarray(train_a), np.asarray(eval_out))
   assert not np.allclose(np.asarray(train_a), np.asarray(train_b))
+
+
+def _fused(p):
+  """The same weights as one stacked "qkv" kernel [D, 3, N, H] and bias [3, N, H]."""
+  parts = [p.pop(name) for name in ("query", "key", "value")]
+  p["qkv"] = {leaf: jnp.stack([q[leaf] for q in parts], axis=-3) for leaf in ("kernel", "bias")}
+  return p
+
+
+def test_fused_qkv_equals_three_projections_forward_and_backward():
+  """One [D, 3, N, H] GEMM computes what the three [D, N, H] ones do, gradients included."""
+  module, p, x = _module_and_params(N)
+  fused = MultiHeadAttention(num_heads=N, num_kv_heads=N, head_dim=H, use_bias=True, fused_qkv=True)
+  p_fused = _fused(jax.tree.map(lambda a: a, p))
+  initialized = nn.unbox(fused.init(jax.random.PRNGKey(1), x)["params"])
+  assert jax.tree.map(jnp.shape, initialized) == jax.tree.map(jnp.shape, p_fused)
+  spec = _causal_packing_spec()
+
+  def loss(params, x, m):
+    return jnp.sum(jnp.sin(m.apply({"params": params}, x, spec=spec)))
+
+  (a, ga), (b, gb) = (
+      jax.value_and_grad(loss, argnums=(0, 1))(params, x, m)
+      for params, m in ((p, module), (p_fused, fused))
+  )
+  np.testing.assert_allclose(a, b, rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(ga[1]), np.asarray(gb[1]), atol=1e-6)
+  for leaf, grads in _fused(dict(ga[0]))["qkv"].items():
+    np.testing.assert_allclose(np.asarray(grads), np.asarray(gb[0]["qkv"][leaf]), atol=1e-6)
+
+
+def test_fused_qkv_refuses_grouped_query_heads_and_cross_attention():
+  x = jnp.ones((B, T, D))
+  for kwargs, call in ((dict(num_kv_heads=2), {}), (dict(num_kv_heads=N), {"is_cross": True})):
+    module = MultiHeadAttention(num_heads=N, head_dim=H, fused_qkv=True, **kwargs)
+    with pytest.raises(ValueError, match="fused_qkv .*num_kv_heads == num_heads"):
+      module.init(jax.random.PRNGKey(0), x, x, **call)
+
+
+@pytest.mark.parametrize("name", ["lecun_normal", "xavier_uniform"])
+def test_stacked_init_draws_each_projection_as_if_alone(name):
+  """Fan-based inits see one projection's fan in each block of a stacked kernel."""
+  from tx_jax.layers.linear import stacked_init  # pylint: disable=g-import-not-at-top
+
+  init, d, width = getattr(nn.initializers, name)(), 256, 512
+  stacked = np.asarray(stacked_init(init, 3)(jax.random.PRNGKey(0), (d, 3 * width)))
+  alone = np.asarray(init(jax.random.PRNGKey(1), (d, width)))
+  for block in np.split(stacked, 3, axis=1):
+    assert abs(block.std() / alone.std() - 1) < 0.03
+  # Drawn over the whole [d, 3 * width] kernel, xavier (fan_in + fan_out) would be narrower.
+  whole = np.asarray(init(jax.random.PRNGKey(2), (d, 3 * width)))
+  ratio = whole.std() / alone.std()
+  assert ratio < 0.8 if name == "xavier_uniform" else abs(ratio - 1) < 0.03

@@ -21,8 +21,8 @@ _SHAPE = dict(
 )
 
 VARIANTS = {
-    "gpt2": ModelConfig(
-        family="decoder", mlp_activation="gelu_tanh", positions="learned", **_SHAPE
+    "gpt2": ModelConfig(  # q, k, v from one kernel, as configs/gpt.py builds GPT-2
+        family="decoder", mlp_activation="gelu_tanh", positions="learned", fused_qkv=True, **_SHAPE
     ),
     "llama": ModelConfig(
         family="decoder",

@@ -48,6 +48,7 @@ def _gpt2_read(hf: HFConfig, weights: Weights) -> dict[str, Any]:
       mlp_inner_dropout_rate=0.0,
       init="normal",
       init_std=hf.get("initializer_range", 0.02),
+      fused_qkv=True,  # c_attn is one [D, 3*N*H] weight: configs/gpt.py's layout too
   )
 
 

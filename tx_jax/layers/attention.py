@@ -29,7 +29,7 @@ from tx_jax.layers.attention_backends import (
     get_backend,
 )
 from tx_jax.layers.attention_spec import AttentionSpec
-from tx_jax.layers.linear import Linear
+from tx_jax.layers.linear import Linear, stacked_init
 from tx_jax.layers.positions import apply_rope
 
 Array = jnp.ndarray
@@ -48,8 +48,24 @@ class MultiHeadAttention(nn.Module):
   rope_theta: float | None = None  # set to rotate q and k (RoPE)
   kernel_init: nn.initializers.Initializer = nn.initializers.lecun_normal()
   output_init: nn.initializers.Initializer | None = None
+  # Self-attention's q, k and v from one kernel [D, 3, N, H] ("qkv"): one GEMM three times
+  # as wide instead of three (needs num_kv_heads == num_heads; docs/performance.md).
+  fused_qkv: bool = False
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
+
+  def _fused_projection(self, x_BTD: Array) -> tuple[Array, Array, Array]:
+    """(q, k, v), each [B, T, N, H], from the stacked kernel [D, 3, N, H] (+ bias [3, N, H])."""
+    qkv_BT3NH = Linear(
+        features=(3, self.num_heads, self.head_dim),
+        axes=(axes.EMBED, None, axes.HEADS, axes.HEAD_DIM),
+        use_bias=self.use_bias,
+        kernel_init=stacked_init(self.kernel_init, 3),
+        dtype=self.dtype,
+        param_dtype=self.param_dtype,
+        name="qkv",
+    )(x_BTD)
+    return qkv_BT3NH[:, :, 0], qkv_BT3NH[:, :, 1], qkv_BT3NH[:, :, 2]
 
   def _projection(self, heads: int, head_axis: str, name: str) -> Linear:
     return Linear(
@@ -84,14 +100,22 @@ class MultiHeadAttention(nn.Module):
           f"model.num_heads={self.num_heads} must be a multiple of "
           f"model.num_kv_heads={self.num_kv_heads}"
       )
-    q_BTNH = self._projection(self.num_heads, axes.HEADS, "query")(x_BTD)
-    key_proj = self._projection(self.num_kv_heads, axes.KV_HEADS, "key")
-    value_proj = self._projection(self.num_kv_heads, axes.KV_HEADS, "value")
-
-    if is_cross:
-      k_BSKH, v_BSKH = self._cross_kv(kv_BSD, key_proj, value_proj, decode)
+    if self.fused_qkv and (is_cross or self.num_kv_heads != self.num_heads):
+      raise ValueError(
+          "fused_qkv projects self-attention with num_kv_heads == num_heads only; got "
+          f"is_cross={is_cross}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}"
+      )
+    if self.fused_qkv:
+      q_BTNH, k_BSKH, v_BSKH = self._fused_projection(x_BTD)
     else:
-      k_BSKH, v_BSKH = key_proj(x_BTD), value_proj(x_BTD)
+      q_BTNH = self._projection(self.num_heads, axes.HEADS, "query")(x_BTD)
+      key_proj = self._projection(self.num_kv_heads, axes.KV_HEADS, "key")
+      value_proj = self._projection(self.num_kv_heads, axes.KV_HEADS, "value")
+      if is_cross:
+        k_BSKH, v_BSKH = self._cross_kv(kv_BSD, key_proj, value_proj, decode)
+      else:
+        k_BSKH, v_BSKH = key_proj(x_BTD), value_proj(x_BTD)
+    if not is_cross:
       if self.rope_theta is not None:
         q_BTNH = apply_rope(q_BTNH, query_positions, self.rope_theta)
         k_BSKH = apply_rope(k_BSKH, key_positions, self.rope_theta)

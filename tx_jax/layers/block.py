@@ -51,6 +51,7 @@ class LayerSpec:
   attention_dropout_rate: float = 0.0
   mlp_inner_dropout_rate: float = 0.0
   attention_backend: str = "dense"
+  fused_qkv: bool = False  # self-attention's q, k, v from one kernel (MultiHeadAttention)
   cross_attention: bool = False
   kernel_init: Any = nn.initializers.lecun_normal()
   output_init: Any = None
@@ -87,6 +88,7 @@ class TransformerLayer(nn.Module):
           backend=s.attention_backend,
           scale=s.attention_scale,
           rope_theta=s.rope_theta if name == "self_attention" else None,
+          fused_qkv=s.fused_qkv and name == "self_attention",
           kernel_init=s.kernel_init,
           output_init=s.output_init,
           dtype=s.dtype,

@@ -67,6 +67,21 @@ class Linear(nn.Module):
     return y if bias is None else y + bias
 
 
+def stacked_init(init: nn.initializers.Initializer, parts: int) -> nn.initializers.Initializer:
+  """`init` on each of `parts` equal column blocks of a flat [in, out] kernel, side by side.
+
+  A kernel that holds several projections (q | k | v) then draws each block from the
+  distribution it would have alone: fan-based inits count one projection, not all of them.
+  """
+
+  def stacked(rng, shape, dtype=jnp.float32):
+    rows, cols = shape
+    keys = jax.random.split(rng, parts)
+    return jnp.concatenate([init(key, (rows, cols // parts), dtype) for key in keys], axis=1)
+
+  return stacked
+
+
 def _contract(x: Array, kernel: Array, in_dims: int, preferred_element_type=None) -> Array:
   """x [*batch, *in] · kernel [*in, *out] -> [*batch, *out]."""
   contract = tuple(range(x.ndim - in_dims, x.ndim))

@@ -69,6 +69,7 @@ class ModelConfig:
   dtype: str = "float32"
   param_dtype: str = "float32"
   attention_backend: str = "dense"
+  fused_qkv: bool = False
   scan_layers: bool = False
   remat_policy: str = "none"
 
@@ -121,6 +122,11 @@ class ModelConfig:
       raise ValueError(
           f"config.model.num_heads={self.num_heads} must be a multiple of "
           f"config.model.num_kv_heads={self.num_kv_heads}"
+      )
+    if self.fused_qkv and self.num_kv_heads != self.num_heads:
+      raise ValueError(
+          f"config.model.fused_qkv=True needs num_kv_heads == num_heads (one [D, 3, N, H] "
+          f"kernel); got num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}"
       )
     if self.positions == "rope" and self.head_dim % 2:
       raise ValueError(f"config.model.head_dim={self.head_dim} must be even for RoPE")
@@ -180,6 +186,7 @@ class ModelConfig:
         attention_dropout_rate=self.attention_dropout_rate,
         mlp_inner_dropout_rate=self.mlp_inner_dropout_rate,
         attention_backend=self.attention_backend,
+        fused_qkv=self.fused_qkv,
         cross_attention=cross_attention,
         kernel_init=self.kernel_init(),
         dtype=self.compute_dtype,
