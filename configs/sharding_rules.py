@@ -54,6 +54,7 @@ def sharding_config() -> ml_collections.ConfigDict:
       (axes.MLP, "tensor"),
       (axes.EMBED, "fsdp"),
       (axes.HEAD_DIM, None),
+      (axes.QKV, None),
       (axes.LAYERS, None),
       (axes.RELPOS_BUCKETS, None),
       (axes.TYPE_VOCAB, None),

@@ -46,6 +46,7 @@ EXPECTED_AXIS = {
     "mlp": "tensor",
     "embed": "fsdp",
     "head_dim": None,
+    "qkv": None,
     "layers": None,
     "relpos_buckets": None,
     "type_vocab": None,

@@ -58,7 +58,7 @@ class MultiHeadAttention(nn.Module):
     """(q, k, v), each [B, T, N, H], from the stacked kernel [D, 3, N, H] (+ bias [3, N, H])."""
     qkv_BT3NH = Linear(
         features=(3, self.num_heads, self.head_dim),
-        axes=(axes.EMBED, None, axes.HEADS, axes.HEAD_DIM),
+        axes=(axes.EMBED, axes.QKV, axes.HEADS, axes.HEAD_DIM),
         use_bias=self.use_bias,
         kernel_init=stacked_init(self.kernel_init, 3),
         dtype=self.dtype,

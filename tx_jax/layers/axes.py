@@ -18,6 +18,7 @@ MLP = "mlp"
 HEADS = "heads"
 KV_HEADS = "kv_heads"
 HEAD_DIM = "head_dim"
+QKV = "qkv"  # which of q, k, v, in a fused [embed, qkv, heads, head_dim] kernel
 LAYERS = "layers"  # the leading axis of scanned (stacked) layer parameters
 RELPOS_BUCKETS = "relpos_buckets"
 TYPE_VOCAB = "type_vocab"
@@ -29,6 +30,7 @@ PARAM_AXES = (
     HEADS,
     KV_HEADS,
     HEAD_DIM,
+    QKV,
     LAYERS,
     RELPOS_BUCKETS,
     TYPE_VOCAB,
