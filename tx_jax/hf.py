@@ -55,6 +55,7 @@ _LEGACY_NAMES = (
 _HEAD_PREFIXES = ("lm_head.", "cls.", "classifier.")  # keys outside the trunk
 _STACKED = re.compile(r"^(stack|encoder|decoder)/layer_(\d+)/(.*)$")
 _QKV_PARTS = ("query", "key", "value")
+_SEPARATE_QKV = re.compile(r"^(.*/self_attention/)query/(kernel|bias)$")  # one match per leaf
 _FUSED_QKV = re.compile(r"^(.*/self_attention/)qkv/(kernel|bias)$")
 
 __all__ = ["ARCHITECTURES", "ConversionError", "from_pretrained", "model_fields", "to_pretrained"]
@@ -114,10 +115,10 @@ def _stack_layers(flat: dict[str, Any]) -> dict[str, Any]:
 def _fuse_qkv(flat: dict[str, Any]) -> dict[str, Any]:
   """Self-attention's query/key/value kernels [D, N, H] (biases [N, H]) -> qkv [D, 3, N, H]."""
   out = dict(flat)
-  for path in [p for p in flat if re.search(r"/self_attention/query/(kernel|bias)$", p)]:
-    prefix, leaf = path.rsplit("/query/", 1)
-    parts = [out.pop(f"{prefix}/{name}/{leaf}") for name in _QKV_PARTS]
-    out[f"{prefix}/qkv/{leaf}"] = np.stack(parts, axis=-3)
+  for match in filter(None, map(_SEPARATE_QKV.match, flat)):
+    prefix, leaf = match.groups()
+    parts = [out.pop(f"{prefix}{name}/{leaf}") for name in _QKV_PARTS]
+    out[f"{prefix}qkv/{leaf}"] = np.stack(parts, axis=-3)
   return out
 
 
