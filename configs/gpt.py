@@ -63,6 +63,7 @@ def _llama(
   m.positions, m.rope_theta, m.max_len = "rope", 10000.0, max_len
   m.tie_embeddings = tie
   m.attention_bias = m.mlp_bias = False
+  m.fused_qkv = True  # q alone, k and v from one [D, 2, K, H] kernel (docs/performance.md)
   m.dropout_rate = m.attention_dropout_rate = 0.0
   _decoder_training(config)
   _lm_data(config)

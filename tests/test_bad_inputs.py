@@ -76,8 +76,6 @@ CASES = [
          "checkpoint.on_corrupt='never'"),
     case("kv heads not dividing heads", "train", [*_T, "--config.model.num_kv_heads=3"], 2,
          "num_kv_heads=3"),
-    case("fused qkv with grouped kv heads", "train", [*_T, "--config.model.num_kv_heads=2"], 2,
-         "fused_qkv=True", "num_kv_heads=2"),
     case("unknown positions", "train", [*_T, "--config.model.positions=absolute"], 2,
          "positions='absolute'"),
     case("unknown optimizer", "train", [*_T, "--config.optimizer.name=sgd"], 2,

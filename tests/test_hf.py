@@ -306,6 +306,22 @@ def test_round_trip(loaded, tmp_path):
     assert np.array_equal(ours[key], back[key]), key
 
 
+def test_stacked_and_separate_projections_load_and_write_the_same_weights(loaded, tmp_path):
+  """`fused_qkv` flipped: stacked q/k/v kernels ("qkv", or "query" and "kv" with fewer kv
+  heads) or separate ones give the same outputs and write back the same tensors."""
+  case, b = loaded["case"], loaded["batch"]
+  fused_qkv = not loaded["config"].model.fused_qkv
+  config, module, params = hf.from_pretrained(loaded["dir"], fused_qkv=fused_qkv)
+  attention = params["stack" if "stack" in params else "encoder"]["layer_0"]["self_attention"]
+  assert ("qkv" in attention or "kv" in attention) == fused_qkv, set(attention)
+  ours = _our_outputs(module, params, case.kind, b)
+  assert _max_delta(ours, loaded["hf_out"], case.kind, b) <= TOLERANCE
+  hf.to_pretrained(config, params, tmp_path)
+  original = load_file(str(loaded["dir"] / "model.safetensors"))
+  for key, value in read_weights(tmp_path).items():
+    assert np.array_equal(value, original[key]), key
+
+
 def test_config_json_round_trip_keeps_hf_config(loaded, tmp_path):
   """The written config.json loads in transformers as the same architecture values."""
   hf.to_pretrained(loaded["config"], loaded["params"], tmp_path)

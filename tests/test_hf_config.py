@@ -297,7 +297,7 @@ def test_runtime_overrides_only(gpt_dir):
 @pytest.mark.parametrize(
     "preset,overrides,match",
     [
-        (gpt.get_config("tiny"), dict(num_kv_heads=2, fused_qkv=False), "num_kv_heads=2"),
+        (gpt.get_config("tiny"), dict(num_kv_heads=2), "num_kv_heads=2"),
         (gpt.get_config("tiny"), dict(positions="sinusoidal"), "positions='sinusoidal'"),
         (gpt.get_config("tiny"), dict(norm="rmsnorm"), "norm='rmsnorm'"),
         (

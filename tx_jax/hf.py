@@ -54,9 +54,10 @@ _LEGACY_NAMES = (
 )
 _HEAD_PREFIXES = ("lm_head.", "cls.", "classifier.")  # keys outside the trunk
 _STACKED = re.compile(r"^(stack|encoder|decoder)/layer_(\d+)/(.*)$")
-_QKV_PARTS = ("query", "key", "value")
+# fused_qkv's stacked kernels and the separate projections each stacks (MultiHeadAttention).
+_STACKS = {"qkv": ("query", "key", "value"), "kv": ("key", "value")}
 _SEPARATE_QKV = re.compile(r"^(.*/self_attention/)query/(kernel|bias)$")  # one match per leaf
-_FUSED_QKV = re.compile(r"^(.*/self_attention/)qkv/(kernel|bias)$")
+_FUSED_QKV = re.compile(r"^(.*/self_attention/)(qkv|kv)/(kernel|bias)$")
 
 __all__ = ["ARCHITECTURES", "ConversionError", "from_pretrained", "model_fields", "to_pretrained"]
 
@@ -113,12 +114,15 @@ def _stack_layers(flat: dict[str, Any]) -> dict[str, Any]:
 
 
 def _fuse_qkv(flat: dict[str, Any]) -> dict[str, Any]:
-  """Self-attention's query/key/value kernels [D, N, H] (biases [N, H]) -> qkv [D, 3, N, H]."""
+  """Self-attention's query/key/value kernels [D, N, H] (biases [N, H]) -> fused_qkv's layout:
+  qkv [D, 3, N, H] when key has query's heads, else query and kv [D, 2, K, H]."""
   out = dict(flat)
   for match in filter(None, map(_SEPARATE_QKV.match, flat)):
     prefix, leaf = match.groups()
-    parts = [out.pop(f"{prefix}{name}/{leaf}") for name in _QKV_PARTS]
-    out[f"{prefix}qkv/{leaf}"] = np.stack(parts, axis=-3)
+    same_heads = out[f"{prefix}key/{leaf}"].shape == out[f"{prefix}query/{leaf}"].shape
+    stacked = "qkv" if same_heads else "kv"
+    parts = [out.pop(f"{prefix}{name}/{leaf}") for name in _STACKS[stacked]]
+    out[f"{prefix}{stacked}/{leaf}"] = np.stack(parts, axis=-3)
   return out
 
 
@@ -130,8 +134,8 @@ def _split_qkv(flat: dict[str, Any]) -> dict[str, Any]:
     if match is None:
       out[path] = value
       continue
-    prefix, leaf = match.groups()
-    for i, name in enumerate(_QKV_PARTS):
+    prefix, stacked, leaf = match.groups()
+    for i, name in enumerate(_STACKS[stacked]):
       out[f"{prefix}{name}/{leaf}"] = np.take(np.asarray(value), i, axis=-3)
   return out
 

@@ -39,7 +39,7 @@ DECODERS = {
     "gpt2-learned": lambda: shrink(gpt.get_config("tiny")),
     "llama-rope-gqa": lambda: shrink(gpt.get_config("llama-tiny"), num_kv_heads=2),
     "sinusoidal-mqa": lambda: shrink(
-        gpt.get_config("tiny"), positions="sinusoidal", num_kv_heads=1, fused_qkv=False
+        gpt.get_config("tiny"), positions="sinusoidal", num_kv_heads=1
     ),
     "t5-relative": lambda: shrink(
         gpt.get_config("tiny"), positions="relative", relative_max_distance=16

@@ -24,8 +24,9 @@ VARIANTS = {
     "gpt2": ModelConfig(  # q, k, v from one kernel, as configs/gpt.py builds GPT-2
         family="decoder", mlp_activation="gelu_tanh", positions="learned", fused_qkv=True, **_SHAPE
     ),
-    "llama": ModelConfig(
+    "llama": ModelConfig(  # query alone, key and value from one kernel, as configs/gpt.py
         family="decoder",
+        fused_qkv=True,
         **{**_SHAPE, "num_kv_heads": 2},
         positions="rope",
         norm="rmsnorm",

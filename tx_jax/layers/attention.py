@@ -48,24 +48,33 @@ class MultiHeadAttention(nn.Module):
   rope_theta: float | None = None  # set to rotate q and k (RoPE)
   kernel_init: nn.initializers.Initializer = nn.initializers.lecun_normal()
   output_init: nn.initializers.Initializer | None = None
-  # Self-attention's q, k and v from one kernel [D, 3, N, H] ("qkv"): one GEMM three times
-  # as wide instead of three (needs num_kv_heads == num_heads; docs/performance.md).
+  # Self-attention's projections from stacked kernels: q, k, v from one [D, 3, N, H] ("qkv")
+  # when num_kv_heads == num_heads, else q alone and k, v from one [D, 2, K, H] ("kv").
+  # Fewer, wider GEMMs (docs/performance.md).
   fused_qkv: bool = False
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
 
   def _fused_projection(self, x_BTD: Array) -> tuple[Array, Array, Array]:
-    """(q, k, v), each [B, T, N, H], from the stacked kernel [D, 3, N, H] (+ bias [3, N, H])."""
-    qkv_BT3NH = Linear(
-        features=(3, self.num_heads, self.head_dim),
-        axes=(axes.EMBED, axes.QKV, axes.HEADS, axes.HEAD_DIM),
+    """(q [B, T, N, H], k, v [B, T, K, H]) from stacked kernels (`fused_qkv`)."""
+    if self.num_kv_heads == self.num_heads:
+      qkv_BT3NH = self._stacked_projection(3, self.num_heads, axes.HEADS, "qkv")(x_BTD)
+      return qkv_BT3NH[:, :, 0], qkv_BT3NH[:, :, 1], qkv_BT3NH[:, :, 2]
+    q_BTNH = self._projection(self.num_heads, axes.HEADS, "query")(x_BTD)
+    kv_BT2KH = self._stacked_projection(2, self.num_kv_heads, axes.KV_HEADS, "kv")(x_BTD)
+    return q_BTNH, kv_BT2KH[:, :, 0], kv_BT2KH[:, :, 1]
+
+  def _stacked_projection(self, parts: int, heads: int, head_axis: str, name: str) -> Linear:
+    """`parts` projections in one kernel [D, parts, heads, H], each initialised as if alone."""
+    return Linear(
+        features=(parts, heads, self.head_dim),
+        axes=(axes.EMBED, axes.QKV, head_axis, axes.HEAD_DIM),
         use_bias=self.use_bias,
-        kernel_init=stacked_init(self.kernel_init, 3),
+        kernel_init=stacked_init(self.kernel_init, parts),
         dtype=self.dtype,
         param_dtype=self.param_dtype,
-        name="qkv",
-    )(x_BTD)
-    return qkv_BT3NH[:, :, 0], qkv_BT3NH[:, :, 1], qkv_BT3NH[:, :, 2]
+        name=name,
+    )
 
   def _projection(self, heads: int, head_axis: str, name: str) -> Linear:
     return Linear(
@@ -100,10 +109,10 @@ class MultiHeadAttention(nn.Module):
           f"model.num_heads={self.num_heads} must be a multiple of "
           f"model.num_kv_heads={self.num_kv_heads}"
       )
-    if self.fused_qkv and (is_cross or self.num_kv_heads != self.num_heads):
+    if self.fused_qkv and is_cross:
       raise ValueError(
-          "fused_qkv projects self-attention with num_kv_heads == num_heads only; got "
-          f"is_cross={is_cross}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}"
+          "fused_qkv stacks self-attention's projections; cross-attention projects its keys "
+          "and values from the encoder output, so it takes fused_qkv=False"
       )
     if self.fused_qkv:
       q_BTNH, k_BSKH, v_BSKH = self._fused_projection(x_BTD)

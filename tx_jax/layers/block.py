@@ -51,7 +51,7 @@ class LayerSpec:
   attention_dropout_rate: float = 0.0
   mlp_inner_dropout_rate: float = 0.0
   attention_backend: str = "dense"
-  fused_qkv: bool = False  # self-attention's q, k, v from one kernel (MultiHeadAttention)
+  fused_qkv: bool = False  # self-attention from stacked q, k, v kernels (MultiHeadAttention)
   cross_attention: bool = False
   kernel_init: Any = nn.initializers.lecun_normal()
   output_init: Any = None

@@ -123,11 +123,6 @@ class ModelConfig:
           f"config.model.num_heads={self.num_heads} must be a multiple of "
           f"config.model.num_kv_heads={self.num_kv_heads}"
       )
-    if self.fused_qkv and self.num_kv_heads != self.num_heads:
-      raise ValueError(
-          f"config.model.fused_qkv=True needs num_kv_heads == num_heads (one [D, 3, N, H] "
-          f"kernel); got num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}"
-      )
     if self.positions == "rope" and self.head_dim % 2:
       raise ValueError(f"config.model.head_dim={self.head_dim} must be even for RoPE")
     if self.positions == "sinusoidal" and self.d_model % 2:
