@@ -52,8 +52,9 @@ def model_config() -> ml_collections.ConfigDict:
   # device), "cudnn" (jax.nn fused kernel, NVIDIA GPU, bf16/fp16), "pallas" (JAX's Pallas
   # flash kernel, GPU; self-attention without bias or window)
   m.attention_backend = "dense"
-  # Self-attention's q, k, v as one [D, 3, N, H] kernel "qkv" (needs num_kv_heads ==
-  # num_heads): one GEMM instead of three; GPT-2 stores its c_attn this way too
+  # Self-attention's projections stacked: q, k, v as one [D, 3, N, H] kernel "qkv" (GPT-2
+  # stores its c_attn this way too), or with fewer kv heads q alone and k, v as one
+  # [D, 2, K, H] "kv". Fewer, wider GEMMs; HF import/export map both layouts
   m.fused_qkv = False
   m.scan_layers = False  # nn.scan over layers: one compiled layer, params stacked
   m.remat_policy = "none"  # rematerialisation: "none", "full", "dots", "dots_no_batch"
