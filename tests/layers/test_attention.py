@@ -171,7 +171,7 @@ def _fused(p, num_kv_heads):
   )
   parts = [p.pop(name) for name in names]
   p[stacked] = {leaf: jnp.stack([q[leaf] for q in parts], axis=-3) for leaf in ("kernel", "bias")}
-  return p, stacked
+  return p
 
 
 @pytest.mark.parametrize("num_kv_heads", [N, 2, 1])
@@ -182,7 +182,7 @@ def test_fused_qkv_equals_separate_projections_forward_and_backward(num_kv_heads
   fused = MultiHeadAttention(
       num_heads=N, num_kv_heads=num_kv_heads, head_dim=H, use_bias=True, fused_qkv=True
   )
-  p_fused, stacked = _fused(jax.tree.map(lambda a: a, p), num_kv_heads)
+  p_fused = _fused(jax.tree.map(lambda a: a, p), num_kv_heads)
   initialized = nn.unbox(fused.init(jax.random.PRNGKey(1), x)["params"])
   assert jax.tree.map(jnp.shape, initialized) == jax.tree.map(jnp.shape, p_fused)
   spec = _causal_packing_spec()
@@ -197,7 +197,7 @@ def test_fused_qkv_equals_separate_projections_forward_and_backward(num_kv_heads
   np.testing.assert_allclose(a, b, rtol=1e-6)
   close = dict(rtol=1e-5, atol=1e-6)  # float32: the wider GEMMs sum in another order
   np.testing.assert_allclose(np.asarray(ga[1]), np.asarray(gb[1]), **close)
-  stacked_grads, _ = _fused(dict(ga[0]), num_kv_heads)
+  stacked_grads = _fused(dict(ga[0]), num_kv_heads)
   for name in stacked_grads:
     for leaf, grads in stacked_grads[name].items():
       np.testing.assert_allclose(np.asarray(grads), np.asarray(gb[0][name][leaf]), **close)
