@@ -28,10 +28,12 @@ from tx_jax.layers.attention_spec import AttentionSpec
 
 Array = jnp.ndarray
 
-# Query and key block size. On a 2-core CPU at T=2048 (causal, 8 heads of 64, fwd+bwd),
-# 128 and 256 ran 1.2-1.8 s and 512 3.1-4.2 s (its f32 probabilities, 8 MB a block, leave
-# the cache); 256 keeps the loop short at 16k. Tune per device.
-DEFAULT_BLOCK = 256
+# Query and key block size. Each block pays a fixed cost in XLA ops (slices, the cond, the
+# running-max rescale), so larger blocks win on CPU while their [T, S] tiles stay small
+# against memory: causal fwd+bwd, 8 heads of 64, on the 2-core AVX2 VM, 512 ran T=2048 in
+# 512 ms against 758 at 256 and 607 at 1024 (dense 480), T=4096 in 1.70 s against 2.84
+# (docs/performance.md, thirteenth part). Peak at 16k: 470 MB against 447 at 256.
+DEFAULT_BLOCK = 512
 
 
 class Partial(NamedTuple):
