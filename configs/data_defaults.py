@@ -59,8 +59,9 @@ def data_config() -> ml_collections.ConfigDict:
   c.eval_global_batch_size = 64  # eval rows per step, over all processes
   c.shuffle_seed = 0  # order, packing and masking are pure functions of this seed
   c.num_epochs = ml_collections.config_dict.placeholder(int)  # None: repeat forever
-  # lm / mlm / span chunks are shuffled within windows of this many (grain's index_shuffle costs
-  # ~window**-1: 1024 -> ~0.1 ms per chunk, 16 -> ~6 ms).
+  # lm / mlm / span chunks are shuffled within windows of this many rows (data/window_shuffle.py:
+  # one numpy permutation per window, which is held in memory). Rows of one window come from
+  # consecutive text: a corpus that fits should get a window that covers it.
   c.lm_shuffle_window = 1024
   c.worker_count = 0  # grain worker processes (0: in-process; > 0 needs absl flags parsed)
   c.read_threads = 0  # grain threads reading + tokenizing ahead (0: in the consumer; 2-core best)
