@@ -101,7 +101,7 @@ def tiny_shakespeare() -> ml_collections.ConfigDict:
   # Tuned to reach <= 1.80 nats/byte within 3 minutes on 2 CPU cores (the README's target):
   # shorter rows and more steps beat the 128 x 16 recipe (2.12 after 600 steps, 118 s);
   # 64 x 32, 1000 steps at 3e-3 measured 1.769 at 138 s (docs/performance.md). A VM with a
-  # 70 GFLOP/s matmul peak needs 283 s: 11 TFLOP is 157 s at that whole peak.
+  # 70 GFLOP/s matmul peak needs 252 s: 11 TFLOP is 157 s at that whole peak.
   config.optimizer.learning_rate = 3e-3
   config.data.seq_len, config.data.global_batch_size = 64, 32
   config.train.steps, config.train.eval_every = 1000, 250
