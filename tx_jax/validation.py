@@ -196,8 +196,10 @@ def train_config(
   import jax  # pylint: disable=g-import-not-at-top
 
   from tx_jax import data, models, sharding  # pylint: disable=g-import-not-at-top
+  from tx_jax.train import optimizers  # pylint: disable=g-import-not-at-top
 
   train_section(config)
+  optimizers.validate(config.optimizer)
   models.ModelConfig.from_config(config.model)  # validates every model field
   num_processes = jax.process_count() if num_processes is None else num_processes
   data.validate(config.data, num_processes)

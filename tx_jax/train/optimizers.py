@@ -1,5 +1,6 @@
 """optax optimizers from config: AdamW / Adafactor, global-norm clipping, weight-decay masks."""
 
+import math
 import re
 from typing import Any
 
@@ -21,17 +22,29 @@ def decay_mask(params: Any, no_decay: tuple[str, ...]) -> Any:
   )
 
 
+def validate(opt: ml_collections.ConfigDict) -> None:
+  """The optimizer section on its own, before anything is built (tx_jax.validation runs it)."""
+  if opt.name not in OPTIMIZERS:
+    raise ValueError(f"config.optimizer.name={opt.name!r}: expected one of {OPTIMIZERS}")
+  # A rate <= 0 or NaN trains without an error: ascent or NaN losses, and exit 0.
+  if not (math.isfinite(opt.learning_rate) and opt.learning_rate > 0):
+    raise ValueError(
+        f"config.optimizer.learning_rate={opt.learning_rate}: must be a finite number > 0"
+    )
+  if opt.grad_clip_norm < 0:
+    raise ValueError(f"config.optimizer.grad_clip_norm={opt.grad_clip_norm}: must be >= 0")
+
+
 def build_optimizer(
     config: ml_collections.ConfigDict,
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """The optimizer (clipping included) and its schedule, from the optimizer/schedule sections."""
+  validate(config.optimizer)
   opt = config.optimizer
   schedule = schedules.build_schedule(
       config.schedule, opt.learning_rate, config.train.steps, config.model.d_model
   )
   mask = lambda params: decay_mask(params, tuple(opt.no_decay))  # noqa: E731
-  if opt.grad_clip_norm < 0:
-    raise ValueError(f"config.optimizer.grad_clip_norm={opt.grad_clip_norm}: must be >= 0")
   if opt.name == "adamw":
     tx = optax.adamw(
         schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay, mask=mask
@@ -46,8 +59,6 @@ def build_optimizer(
         weight_decay_rate=opt.weight_decay or None,
         weight_decay_mask=mask,
     )
-  else:
-    raise ValueError(f"config.optimizer.name={opt.name!r}: expected one of {OPTIMIZERS}")
   if opt.grad_clip_norm > 0:
     tx = optax.chain(optax.clip_by_global_norm(opt.grad_clip_norm), tx)
   return tx, schedule
