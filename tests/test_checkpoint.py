@@ -249,6 +249,7 @@ print("matched")
 """
 
 
+@pytest.mark.slow  # ~100 sharded leaves; fingerprints are checked on a few in the fast tier
 def test_fingerprint_of_many_sharded_leaves_finishes_and_matches_one_device():
   """Each sharded leaf's checksum is a program with a collective, and XLA:CPU hangs (then
   aborts after 40 s) once ~33 of them are in flight, as the first per-leaf version did at

@@ -179,6 +179,7 @@ def gnmt_score(module, params, source, generated, alpha):
   return total / ((5 + len(generated)) / 6) ** alpha
 
 
+@pytest.mark.slow  # the fast tier checks the evaluator's decoding below
 def test_translate_texts_greedy_and_beam_1_equal_an_uncached_argmax_loop(model):
   module, params = model
   tok = IdTokenizer()
@@ -197,6 +198,7 @@ def test_translate_texts_greedy_and_beam_1_equal_an_uncached_argmax_loop(model):
     assert got == want, strategy.name
 
 
+@pytest.mark.slow  # the fast tier decodes with beam 4 through the evaluator below
 def test_translate_texts_beam_4_outscores_greedy(model):
   """Beam 4's hypothesis scores at least greedy's under the GNMT penalty, and differs somewhere."""
   module, params = model

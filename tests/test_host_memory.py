@@ -55,6 +55,7 @@ def _probe(**env) -> dict:
   return json.loads(_run(_PROBE, JAX_PLATFORMS="cpu", **env))
 
 
+@pytest.mark.slow  # two child processes, each stepping a model 40 times (~25 s)
 def test_reuse_removes_the_per_call_page_faults():
   if host_memory._glibc() is None:  # pylint: disable=protected-access
     pytest.skip("not a glibc process: the settings do not apply")

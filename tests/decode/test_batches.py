@@ -17,6 +17,7 @@ from configs import gpt, transformer
 from tx_jax import decode, models
 from tx_jax.data.tokenizers import ByteTokenizer
 from tx_jax.decode.batches import WIDTH_MULTIPLE
+from tests.tiers import slow_except
 
 EOS = 2
 # Ids that these seeds' greedy outputs emit mid-row, so EOS stopping and stripping are tested.
@@ -77,7 +78,7 @@ def test_encode_sources_ends_sources_with_eos_like_training():
   ]
 
 
-@pytest.mark.parametrize("family", ["decoder", "encdec"])
+@pytest.mark.parametrize("family", slow_except(["decoder", "encdec"], "decoder"))
 @pytest.mark.parametrize("name", ["greedy", "beam"])
 def test_decode_batches_equals_one_input_at_a_time(family, name):
   module, params = decoder() if family == "decoder" else encdec()
@@ -93,6 +94,7 @@ def test_decode_batches_equals_one_input_at_a_time(family, name):
   assert any(len(w) < 6 for w in want), "no row stopped at EOS; the test would miss stripping"
 
 
+@pytest.mark.slow  # the same programs at other widths and on a mesh
 def test_decode_batches_fixed_width_and_sharding_change_nothing():
   module, params = encdec()
   inputs = [[5, 9, 3, 7], [11, 2]]

@@ -17,6 +17,7 @@ import pytest
 from configs import gpt, t5, transformer
 from tx_jax import decode, models
 from tx_jax.decode import chunked_cache
+from tests.tiers import slow_except
 
 N_NEW = 7
 PROMPTS = [[5, 9, 3, 7, 2], [11], [4, 4, 8]]
@@ -146,7 +147,9 @@ def test_cached_greedy_equals_uncached_argmax_loop(name, cache_chunk):
   assert_rows_equal(out, expected)
 
 
-@pytest.mark.parametrize("name", ["gpt2-learned", "sinusoidal-mqa", "t5-relative"])
+@pytest.mark.parametrize(
+    "name", slow_except(["gpt2-learned", "sinusoidal-mqa", "t5-relative"], "gpt2-learned")
+)
 def test_chunked_decode_up_to_max_len(name):
   """A decode near model.max_len, whose chunk-padded cache is longer than max_len."""
   module, params, _ = decoder(name)
@@ -163,6 +166,7 @@ def test_chunked_decode_up_to_max_len(name):
   assert_rows_equal(out, want)
 
 
+@pytest.mark.slow  # the fast tier keeps chunked greedy decoding (above)
 def test_chunked_sampling_equals_unchunked():
   """Same key, same tokens: chunking changes where K/V are stored, not what is sampled."""
   module, params, _ = decoder("llama-rope-gqa")
@@ -233,6 +237,7 @@ def test_cached_greedy_translate_equals_uncached_argmax_loop(name, cache_chunk):
   assert_rows_equal(out, expected)
 
 
+@pytest.mark.slow  # an encoder-decoder's beam and greedy programs (~11 s)
 def test_beam_1_equals_greedy_on_encdec():
   module, params, expected = encdec("t5-relative")
   tokens, segments = right_pad(SOURCES)
@@ -276,6 +281,7 @@ def test_beam_scores_match_full_forward():
   assert any(r[3][-1] == eos for r in rows), "no hypothesis finished with EOS"
 
 
+@pytest.mark.slow  # the fast tier has top-k 1 = greedy on a toy model (test_sampling.py)
 def test_sampling_top_k_1_equals_greedy_on_a_real_model():
   module, params, expected = decoder("sinusoidal-mqa")
   prompt = decode.make_prompt(PROMPTS, max_new_tokens=N_NEW)

@@ -107,7 +107,10 @@ def _ours(result):
 
 
 # EOS ids that these seeds emit early in some rows, so stopping is compared too.
-@pytest.mark.parametrize("build, eos", [(_gpt2, EOS), (_llama, 9)], ids=["gpt2", "llama_gqa"])
+@pytest.mark.parametrize(
+    "build, eos",
+    [pytest.param(_gpt2, EOS, id="gpt2", marks=pytest.mark.slow), pytest.param(_llama, 9, id="llama_gqa")],
+)
 def test_decoder_greedy_equals_transformers_generate(build, eos, tmp_path):
   model = _save(build, tmp_path, scale=0.5)
   width = max(map(len, PROMPTS))

@@ -9,6 +9,7 @@ import pytest
 
 from tests.models.variants import forward, model_and_params, tokens
 from tests.models.variants import DECODERS, ENCDECS, VARIANTS
+from tests.tiers import slow_except
 
 MAX_LEN = 12
 
@@ -77,7 +78,7 @@ def test_prefill_then_steps_equals_full_forward(name):
   np.testing.assert_allclose(cached, full, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", DECODERS + ENCDECS)
+@pytest.mark.parametrize("name", slow_except(DECODERS + ENCDECS, "alibi", "t5_v1_0"))
 def test_left_padded_prompts_of_different_lengths(name):
   """Row 1's prompt is 2 tokens shorter and left-padded; each row decodes as if alone."""
   x = tokens(22, (2, 8))
@@ -105,6 +106,7 @@ def test_gqa_cache_holds_kv_heads_only():
   assert key.shape == (3, VARIANTS["llama"].num_kv_heads, MAX_LEN, VARIANTS["llama"].head_dim)
 
 
+@pytest.mark.slow  # T5's cache; the fast tier decodes t5_v1_0's cross-attention above
 def test_cross_attention_kv_are_computed_once():
   """After the prefill call, decode steps read cached cross K/V: `encoded` is not needed."""
   module, params, _ = model_and_params("t5")

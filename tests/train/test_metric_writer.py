@@ -6,6 +6,8 @@ import struct
 import subprocess
 import sys
 
+import pytest
+
 _WRITE_AND_REPORT = """
 import json, sys, pathlib
 from tx_jax.train import metrics
@@ -42,6 +44,7 @@ def _scalars(event_dir: pathlib.Path) -> dict[str, list[tuple[int, float]]]:
   return found
 
 
+@pytest.mark.slow  # a child process imports tx_jax and tensorboardX from scratch
 def test_writer_logs_scalars_without_importing_torch(tmp_path):
   # A fresh process: this one may have imported torch already (the parity tests do).
   out = subprocess.run(

@@ -9,11 +9,14 @@ import re
 
 import jax
 import numpy as np
+import pytest
 
 from configs import gpt
 from tests.train import batches
 from tx_jax import models, sharding
 from tx_jax.train import optimizers, run
+
+pytestmark = pytest.mark.slow  # the step compiled twice and run six times (~12 s)
 
 
 def _copied_parameters(hlo_text: str) -> int:
