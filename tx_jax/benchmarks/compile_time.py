@@ -32,7 +32,11 @@ def first_step(config, batch: dict) -> dict:
     args, kwargs = tx_models.model_inputs(config.model, batch)
     return module.init({"params": rng}, *args, **kwargs, train=False)["params"]
 
-  state = jax.block_until_ready(jax.jit(state_lib.make_init_fn(init_params, tx, config.seed))())
+  init = jax.jit(
+      state_lib.make_init_fn(init_params, tx, config.seed),
+      compiler_options=run_lib.init_compiler_options(jax.default_backend()),
+  )
+  state = jax.block_until_ready(init())
   t_init = time.perf_counter()
   step = jax.jit(
       functools.partial(steps_lib.train_step, apply_fn=apply_fn, tx=tx, schedule=schedule),

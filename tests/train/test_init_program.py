@@ -1,0 +1,55 @@
+"""The state's initialisation compiled with run.CPU_INIT_OPTIONS has XLA's default bits.
+
+The trainer compiles `init` at LLVM's -O1 because it runs once and its compile is the
+slow part; the parameters and optimizer state must be exactly what the default compile
+gives, for every family (T5's relative bias, BERT's heads, LLaMA's untied output, the
+encoder-decoder's two stacks).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import bert, gpt, t5, transformer
+from tx_jax import models, sharding
+from tx_jax.train import optimizers, run
+
+pytestmark = pytest.mark.slow  # five models, each compiled twice (~25 s on 2 cores)
+
+# XLA:CPU's own defaults, which the trainer's other programs compile with.
+XLA_DEFAULTS = {"xla_backend_optimization_level": 2, "xla_llvm_disable_expensive_passes": False}
+
+
+CONFIGS = {
+    "transformer:tiny": lambda: transformer.get_config("tiny"),
+    "t5:tiny": lambda: t5.get_config("tiny"),
+    "bert:tiny-sst2": lambda: bert.get_config("tiny-sst2"),
+    "gpt:tiny-shakespeare": lambda: gpt.get_config("tiny-shakespeare"),
+    "gpt:llama-tiny": lambda: gpt.get_config("llama-tiny"),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_init_at_the_cheaper_level_has_the_default_bits(name):
+  config = CONFIGS[name]()
+  mesh = sharding.make_mesh(config.mesh, jax.devices()[:1])
+  module = models.build(config.model)
+  tx, _ = optimizers.build_optimizer(config)
+  ids = jnp.zeros((1, 8), jnp.int32)
+  family = config.model.family
+  names = ("encoder_inputs", "decoder_inputs") if family == "encdec" else ("inputs",)
+  example = dict.fromkeys(names, ids)
+  layout = run.state_layout(config, module, tx, example, mesh, sharding.logical_rules(config))
+  assert run.init_compiler_options("cpu") == run.CPU_INIT_OPTIONS != {}
+
+  def leaves(options):
+    # conftest's XLA_FLAGS compile the tests at level 0: both programs name their level.
+    options = {**XLA_DEFAULTS, **options}
+    state = jax.jit(layout.init_fn, compiler_options=options)()
+    return [np.asarray(x) for x in jax.tree.leaves(state)]
+
+  cheaper, default = leaves(run.init_compiler_options("cpu")), leaves({})
+  assert len(cheaper) == len(default) > 4
+  for ours, theirs in zip(cheaper, default, strict=True):
+    np.testing.assert_array_equal(ours, theirs)
