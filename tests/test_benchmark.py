@@ -34,6 +34,15 @@ def test_seconds_to_takes_the_first_eval_at_or_below():
   assert time_to_loss.seconds_to(points, 1.0) is None
 
 
+def test_seconds_to_interpolated_is_linear_between_the_evals_around_the_crossing():
+  points = [{"seconds": s, "loss": loss} for s, loss in ((10.0, 2.5), (20.0, 2.0), (30.0, 1.5))]
+  # 1.90 lies a fifth of the way from 2.0 (20 s) to 1.5 (30 s).
+  assert time_to_loss.seconds_to_interpolated(points, 1.90) == pytest.approx(22.0)
+  assert time_to_loss.seconds_to_interpolated(points, 2.0) == 20.0  # reached at an eval
+  assert time_to_loss.seconds_to_interpolated(points, 3.0) == 10.0  # below from the first eval
+  assert time_to_loss.seconds_to_interpolated(points, 1.0) is None
+
+
 def test_interleaved_calls_each_runner_once_per_round_after_warmup_rounds():
   calls = []
   wall, cores = common.interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 3)
@@ -63,6 +72,7 @@ def test_matmul_peak_records_one_flop_rate_per_call_against_a_numpy_product():
     common.MatmulPeak("tf", 64)
 
 
+@pytest.mark.slow  # a child process importing torch and JAX
 def test_one_core_gemm_runs_in_a_child_pinned_to_one_cpu_with_one_torch_thread():
   rows = gemm_one_core.measure([(16, 8, 4), (8, 4, 2)], rounds=1)
   assert [row["shape"] for row in rows] == [[16, 8, 4], [8, 4, 2]]
@@ -149,7 +159,8 @@ def test_smoke_run_writes_every_section_and_the_names_scripts_rely_on(tmp_path, 
   assert train["other_cpu_devices"] == 3 - train["cpu_devices"]
   rows = report["attention"]["rows"]
   assert rows and all({"backend", "seq_len", "time_ms", "peak_bytes"} <= set(r) for r in rows)
-  for key in ("tx_jax_seconds", "torch_seconds", "tx_jax_final_loss"):
+  keys = ("tx_jax_seconds", "torch_seconds", "tx_jax_over_torch_interpolated", "tx_jax_final_loss")
+  for key in keys:
     assert key in report["time_to_loss"], key
   assert report["time_to_loss"]["tx_jax_final_loss"] > 0
   assert {r["scan_layers"] for r in report["compile"]["rows"]} == {True, False}
