@@ -22,7 +22,7 @@ def test_readme_has_python_snippets():
   assert len(SNIPPETS) >= 2, "the README's snippets were not found; update the pattern"
 
 
-@pytest.mark.slow  # each snippet runs a command end to end in a child process
+@pytest.mark.slow  # whole workflows (build and apply a model, decode, import HF weights): 8-12 s each
 @pytest.mark.parametrize("index", range(len(SNIPPETS)))
 def test_readme_snippet_runs(index, tmp_path):
   code = SNIPPETS[index]
