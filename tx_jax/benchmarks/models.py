@@ -72,12 +72,7 @@ def jax_step(config: ml_collections.ConfigDict, batch: dict) -> Callable[[], Non
   module = models.build(config.model)
   tx, schedule = optimizers.build_optimizer(config)
   layout = run_lib.state_layout(config, module, tx, batch, mesh, rules)
-  init = jax.jit(
-      layout.init_fn,
-      out_shardings=layout.shardings,
-      compiler_options=run_lib.init_compiler_options(mesh.devices.flat[0].platform),
-  )
-  holder = {"state": init()}
+  holder = {"state": run_lib.jit_init(layout, mesh)()}
   step, _ = run_lib.jit_steps(config, module, tx, schedule, layout.shardings, mesh, rules)
   device_batch = jax.device_put(batch, sharding.batch_sharding(mesh))
 

@@ -179,6 +179,15 @@ def init_compiler_options(platform: str) -> dict[str, Any]:
   return dict(CPU_INIT_OPTIONS) if platform == "cpu" else {}
 
 
+def jit_init(layout: "StateLayout", mesh: jax.sharding.Mesh) -> Callable[[], Any]:
+  """`layout.init_fn` jitted to build the state in place on `mesh` (its own compile options)."""
+  return jax.jit(
+      layout.init_fn,
+      out_shardings=layout.shardings,
+      compiler_options=init_compiler_options(mesh.devices.flat[0].platform),
+  )
+
+
 def jit_steps(config, module, tx, schedule, shardings, mesh, rules):
   """The train step (state donated) and eval step, traced under the mesh and logical rules."""
   apply_fn = make_apply_fn(module, config.model)
@@ -238,12 +247,7 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> TrainRun:
     if is_main:
       print(f"resumed from step {start} in {ckpt.directory}", flush=True)
   else:
-    init = jax.jit(
-        layout.init_fn,
-        out_shardings=shardings,
-        compiler_options=init_compiler_options(mesh.devices.flat[0].platform),
-    )
-    state = init()
+    state = jit_init(layout, mesh)()
     start = 0
 
   train_step, eval_step = jit_steps(config, module, tx, schedule, shardings, mesh, rules)
