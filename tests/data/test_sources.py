@@ -159,3 +159,26 @@ def test_multi30k_real_files(data_dir, tfds_dir):
     de = f.read().splitlines()
   pairs = data.eval_examples(cfg, "test2016")
   assert [s for s, _ in pairs] == de
+
+
+class _ManyAtOnce(list):
+  """A record list that, like TFDS's array_record sources, also reads many indices at once."""
+
+  def __init__(self, records):
+    super().__init__(records)
+    self.reads = []
+
+  def __getitems__(self, indices):
+    self.reads.append(len(indices))
+    return [self[i] for i in indices]
+
+
+@pytest.mark.parametrize("many_at_once", [False, True])
+def test_iterating_a_keyed_source_yields_what_indexing_does(many_at_once):
+  records = [{"de": f"satz {i}".encode(), "en": f"sentence {i}", "y": i % 3} for i in range(2500)]
+  records = _ManyAtOnce(records) if many_at_once else records
+  keyed = sources.KeyedSource(records, {"source": "de", "target": "en", "label": "y"})
+  assert list(keyed) == [keyed[i] for i in range(len(keyed))]
+  assert keyed[1234] == {"source": "satz 1234", "target": "sentence 1234", "label": 1}
+  if many_at_once:  # in chunks, not one record at a time
+    assert records.reads == [1024, 1024, 452]
