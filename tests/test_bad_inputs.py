@@ -20,6 +20,8 @@ import sys
 
 import pytest
 
+from tests.train import runs
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MAX_SECONDS = 30
 
@@ -196,14 +198,14 @@ def fixtures(tmp_path_factory) -> pathlib.Path:
   root = tmp_path_factory.mktemp("bad_inputs")
   subprocess.run(
       [sys.executable, "-m", "tests.bad_input_runner", "setup", str(root)],
-      cwd=REPO, check=True, timeout=900, capture_output=True,
+      cwd=REPO, env=runs.env(), check=True, timeout=900, capture_output=True,
   )  # fmt: skip
   return root
 
 
 @pytest.fixture(scope="module")
 def results(fixtures) -> dict[str, dict]:
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}  # one device: mesh cases
+  env = runs.env()  # one device: the mesh cases rely on it
   proc = subprocess.run(
       [sys.executable, "-m", "tests.bad_input_runner", "run", str(fixtures)],
       input=json.dumps(CASES), cwd=REPO, env=env, capture_output=True, text=True, timeout=1800,

@@ -6,7 +6,6 @@ user runs it) at --smoke sizes and check the names scripts rely on (issue "Perfo
 
 import json
 import math
-import os
 import pathlib
 import statistics
 import subprocess
@@ -15,6 +14,7 @@ import time
 
 import pytest
 
+from tests.train import runs
 from tx_jax.benchmarks import common, gemm_one_core, models, time_to_loss, train
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -115,11 +115,10 @@ def test_unknown_section_is_an_error_naming_it(tmp_path):
 
 
 def _run_benchmark(out: pathlib.Path, data_dir: pathlib.Path, *args: str) -> dict:
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one real device
   proc = subprocess.run(
       [sys.executable, "-m", "experiments.benchmark", "--smoke", "--out", str(out), "--data_dir", str(data_dir), *args],
       cwd=REPO,
-      env=env,
+      env=runs.env(),  # one device, as a user runs it; compiled fast: --smoke times nothing
       capture_output=True,
       text=True,
       timeout=900,

@@ -9,7 +9,6 @@ special ids. Ids and text must be equal. A T5 converted without a tokenizer deco
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import pytest
 import torch
 
 from tests import hf_models
+from tests.train import runs
 from tx_jax import workdir as wd
 
 pytestmark = pytest.mark.slow
@@ -28,11 +28,10 @@ N_NEW = 12
 
 
 def decode_cli(*args: str) -> subprocess.CompletedProcess:
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
   return subprocess.run(
       [sys.executable, "-m", "experiments.decode", *args],
       cwd=ROOT,
-      env=env,
+      env=runs.env(),
       capture_output=True,
       text=True,
       timeout=600,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 
 from configs import t5
+from tests.train import runs
 from tx_jax import hf, models, workdir as wd
 from tx_jax.interop.safetensors_io import read_weights
 
@@ -22,11 +22,10 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _convert(*args: str) -> subprocess.CompletedProcess:
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
   return subprocess.run(
       [sys.executable, "-m", "experiments.convert", *args],
       cwd=REPO,
-      env=env,
+      env=runs.env(),
       capture_output=True,
       text=True,
       timeout=300,

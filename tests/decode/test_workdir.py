@@ -1,7 +1,6 @@
 """Loading a trainer workdir (decode/workdir.py), and experiments/decode.py end to end on one."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import optax
 import pytest
 
 from configs import gpt, transformer
+from tests.train import runs
 from tx_jax import checkpoint, decode, models
 from tx_jax.data.tokenizers import ByteTokenizer
 from tx_jax.decode import workdir as wd
@@ -52,7 +52,7 @@ def write_workdir(path, config, example_inputs):
 
 
 def run_cli(*args, extra_env=None):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", **(extra_env or {}))
+  env = runs.env(**(extra_env or {}))
   return subprocess.run(
       [sys.executable, "-m", "experiments.decode", *args],
       cwd=ROOT,

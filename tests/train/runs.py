@@ -52,9 +52,10 @@ def tiny_gpt_flags(
   ]
 
 
-def env() -> dict:
-  """One CPU device (the 8 fake ones only slow a 2-core machine down here)."""
-  e = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
+def env(**extra: str) -> dict:
+  """A child process's environment: one CPU device, as a user's run has (the session's 8
+  fake ones only slow a 2-core machine down), and conftest's fast-compile flags kept."""
+  e = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3", **extra)
   e["XLA_FLAGS"] = " ".join(f for f in e.get("XLA_FLAGS", "").split() if "device_count" not in f)
   return e
 
