@@ -11,6 +11,10 @@ import os
 # (tests/train/test_init_program.py names its levels). TX_JAX_TEST_FAST_COMPILE=0 keeps
 # XLA's defaults.
 _FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# `jax.jit(compiler_options=...)` that restore XLA's defaults for one program: a test that
+# runs a step hundreds of times (tests/train/test_overfit.py) gains more from optimised code
+# than it pays in compile time.
+XLA_DEFAULT_LEVEL = {"xla_backend_optimization_level": 2, "xla_llvm_disable_expensive_passes": False}
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]
     + ([_FAST_COMPILE] if os.environ.get("TX_JAX_TEST_FAST_COMPILE", "1") != "0" else [])

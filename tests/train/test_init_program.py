@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 
 from configs import bert, gpt, t5, transformer
+from tests import conftest
 from tx_jax import models, sharding
 from tx_jax.train import optimizers, run
 
 pytestmark = pytest.mark.slow  # five models, each compiled twice (~40 s on 2 cores)
 
 # XLA:CPU's own defaults, which the trainer's other programs compile with.
-XLA_DEFAULTS = {"xla_backend_optimization_level": 2, "xla_llvm_disable_expensive_passes": False}
+XLA_DEFAULTS = conftest.XLA_DEFAULT_LEVEL
 
 
 CONFIGS = {
