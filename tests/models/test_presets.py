@@ -79,6 +79,21 @@ def test_flops_per_token_by_hand():
   assert flops_per_token(model, counts, 1024) == expected
 
 
+def test_encoder_decoder_flops_per_token_by_hand():
+  """Transformer base, S=100 source and T=50 target tokens: each stack's weights act on its
+  own tokens; the tied 37k output projection on the target's."""
+  from tx_jax.models.summary import flops_per_token
+
+  model = ModelConfig.from_config(_config("transformer", "base").model)
+  counts = count_params(model)
+  encoder = 6 * (4 * 512 * 512 + 2 * 512 * 2048)
+  decoder = 6 * (8 * 512 * 512 + 2 * 512 * 2048) + 37000 * 512
+  assert (counts.encoder_matmul, counts.matmul) == (encoder, encoder + decoder)
+  attention = 12 * 8 * 64 * (6 * 100 * 100 + 6 * (50 * 50 + 50 * 100))
+  expected = (6 * (encoder * 100 + decoder * 50) + attention) / 150
+  assert flops_per_token(model, counts, 100, 50) == pytest.approx(expected, rel=1e-12)
+
+
 def test_unknown_preset_lists_the_accepted_ones():
   with pytest.raises(ValueError, match="accepted"):
     _config("gpt", "gpt5")

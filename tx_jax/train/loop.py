@@ -76,7 +76,10 @@ def dry_run_report(config: ml_collections.ConfigDict) -> str:
   tx, _ = optimizers.build_optimizer(config)
   opt_state = jax.eval_shape(tx.init, nn.unbox(boxed))
   return "\n".join(
-      [model_summary.describe(config), sharding.describe_shardings(boxed, mesh, rules, opt_state)]
+      [
+          model_summary.describe(config, nn.unbox(boxed)),
+          sharding.describe_shardings(boxed, mesh, rules, opt_state),
+      ]
   )
 
 
