@@ -64,10 +64,12 @@ def run(out_dir: str | pathlib.Path, only: list[str], options: Options) -> dict:
 
     sharding.use_cpu_devices(ml_collections.ConfigDict({"cpu_devices": gpt.CPU_DEVICES}))
   # Compiles are part of what is measured (`compile`, `time_to_loss`): never from a cache
-  # that the environment (JAX_COMPILATION_CACHE_DIR) may name.
+  # that the environment (JAX_COMPILATION_CACHE_DIR) may name. --smoke times nothing, so
+  # there such a cache (the test session's) may serve the programs that sections share.
   from tx_jax import compile_cache  # pylint: disable=g-import-not-at-top
 
-  compile_cache.disable()
+  if not options.smoke:
+    compile_cache.disable()
   out = pathlib.Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
   path = out / "benchmark.json"
