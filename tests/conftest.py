@@ -8,13 +8,24 @@ import os
 # tests/models/test_kv_cache.py). No fast-math either way, so every tolerance still means
 # what it says; but level 0 can move a last bit against XLA's default level (the parameter
 # init, by up to 7.5e-9), so bit-exact tests compare programs compiled alike
-# (tests/train/test_init_program.py names its levels). TX_JAX_TEST_FAST_COMPILE=0 keeps
+# (tests/train/test_init_program.py names its levels). XLA:CPU's older elemental emitters
+# instead of its MLIR fusion emitters: the MLIR pipeline is set up again for every fusion,
+# and the tests' programs are thousands of tiny fusions (tests/models/test_kv_cache.py with
+# tests/train/test_memory_precision.py: 126 -> 85 s). TX_JAX_TEST_FAST_COMPILE=0 keeps
 # XLA's defaults.
-_FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+_FAST_COMPILE = (
+    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+    "--xla_cpu_use_fusion_emitters=false"
+)
 # `jax.jit(compiler_options=...)` that restore XLA's defaults for one program: a test that
 # runs a step hundreds of times (tests/train/test_overfit.py) gains more from optimised code
-# than it pays in compile time.
-XLA_DEFAULT_LEVEL = {"xla_backend_optimization_level": 2, "xla_llvm_disable_expensive_passes": False}
+# than it pays in compile time, and tests/train/test_init_program.py compares bits with what
+# the trainer's own compile gives.
+XLA_DEFAULT_LEVEL = {
+    "xla_backend_optimization_level": 2,
+    "xla_llvm_disable_expensive_passes": False,
+    "xla_cpu_use_fusion_emitters": True,
+}
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]
     + ([_FAST_COMPILE] if os.environ.get("TX_JAX_TEST_FAST_COMPILE", "1") != "0" else [])

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from configs import gpt
+from tests import conftest
 from tests.train import batches
 from tx_jax import models, sharding
 from tx_jax.train import optimizers, run
@@ -38,9 +39,16 @@ def test_the_train_step_updates_adams_moments_in_place_with_the_same_bits():
   init = jax.jit(layout.init_fn, out_shardings=layout.shardings)
   step, _ = run.jit_steps(config, module, tx, schedule, layout.shardings, mesh, rules)
   lowered = step.lower(init(), batch)
-  shipped = lowered.compile()
+  # Both at XLA's own defaults, as the trainer compiles (conftest's fast-compile flags
+  # choose other fusions, which this option can reorder).
+  shipped = lowered.compile(
+      compiler_options={**conftest.XLA_DEFAULT_LEVEL, **run.CPU_TRAIN_STEP_OPTIONS}
+  )
   default = lowered.compile(
-      compiler_options={option: False for option in run.CPU_TRAIN_STEP_OPTIONS}
+      compiler_options={
+          **conftest.XLA_DEFAULT_LEVEL,
+          **{option: False for option in run.CPU_TRAIN_STEP_OPTIONS},
+      }
   )
 
   moments = 2 * len(jax.tree.leaves(layout.abstract_state.params))
