@@ -42,7 +42,7 @@ def test_init_at_the_cheaper_level_has_the_default_bits(name):
   names = ("encoder_inputs", "decoder_inputs") if family == "encdec" else ("inputs",)
   example = dict.fromkeys(names, ids)
   layout = run.state_layout(config, module, tx, example, mesh, sharding.logical_rules(config))
-  assert run.init_compiler_options("cpu") == run.CPU_INIT_OPTIONS != {}
+  assert run.CPU_INIT_OPTIONS != {}
 
   def leaves(options):
     # conftest's XLA_FLAGS compile the tests at level 0: both programs name their level.
@@ -50,7 +50,17 @@ def test_init_at_the_cheaper_level_has_the_default_bits(name):
     state = jax.jit(layout.init_fn, compiler_options=options)()
     return [np.asarray(x) for x in jax.tree.leaves(state)]
 
-  cheaper, default = leaves(run.init_compiler_options("cpu")), leaves({})
+  cheaper, default = leaves(run.CPU_INIT_OPTIONS), leaves({})
   assert len(cheaper) == len(default) > 4
   for ours, theirs in zip(cheaper, default, strict=True):
     np.testing.assert_array_equal(ours, theirs)
+
+
+def test_init_takes_the_cheaper_level_unless_xla_flags_name_one(monkeypatch):
+  """The trainer's per-program level yields to a level the user put in XLA_FLAGS (as this
+  test session does: conftest compiles every program at level 0)."""
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  assert run.init_compiler_options("cpu") == run.CPU_INIT_OPTIONS
+  assert run.init_compiler_options("gpu") == {}
+  monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=3")
+  assert run.init_compiler_options("cpu") == {}

@@ -7,6 +7,7 @@ jitted train/eval steps. The loop in `loop.py` only steps, logs, evaluates and s
 
 import dataclasses
 import functools
+import os
 import pathlib
 from typing import Any, Callable, Iterator, NamedTuple
 
@@ -175,8 +176,14 @@ CPU_INIT_OPTIONS = {"xla_backend_optimization_level": 1}
 
 
 def init_compiler_options(platform: str) -> dict[str, Any]:
-  """`jax.jit(compiler_options=...)` for the state's initialisation on `platform`."""
-  return dict(CPU_INIT_OPTIONS) if platform == "cpu" else {}
+  """`jax.jit(compiler_options=...)` for the state's initialisation on `platform`.
+
+  A level the user names in XLA_FLAGS is theirs for every program, `init` included: the
+  per-program option would override it.
+  """
+  if platform != "cpu" or "--xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", ""):
+    return {}
+  return dict(CPU_INIT_OPTIONS)
 
 
 def jit_init(layout: "StateLayout", mesh: jax.sharding.Mesh) -> Callable[[], Any]:
