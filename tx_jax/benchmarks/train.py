@@ -24,6 +24,7 @@ from tx_jax.benchmarks.common import Options, Shape
 
 CALL_SECONDS = 1.0  # target duration of one timed call of a runner
 PEAK_SIZE = 1024  # square fp32 GEMM whose FLOP/s is "the matmul peak"
+PROBE_ROUNDS = 3  # alternating runs per CPU device count when choosing one
 
 
 def flops_per_token(config) -> float:
@@ -120,13 +121,16 @@ def compare(shape: Shape, options: Options, *, minimal_torch: bool, torch_compil
   # last ~CALL_SECONDS so timer noise and one-off stalls stay small against it. Steps run
   # back to back (a lone step waits for its own dispatch), after a first run of 4 that also
   # grows the heap (tx_jax.host_memory; one such step once read as 5 steps per call instead
-  # of 30), then the better of two runs of ~2 s per count.
+  # of 30), then runs of >= 2 s that alternate between the counts, PROBE_ROUNDS each, and
+  # the median per count. Probing one count after the other let the machine's drift
+  # between them decide: the bench shape's probe once chose 1 device by 0.7%, and in every
+  # round after it 2 devices were 2-4% faster (docs/performance_avx2.md, nineteenth part).
   estimate = {n: common.seconds(back_to_back(s, 4)) / 4 for n, s in jax_steps.items()}
-  probe_steps = max(4, round((0.05 if options.smoke else 2.0) / min(estimate.values())))
-  probe = {
-      n: min(common.seconds(back_to_back(s, probe_steps)) for _ in range(2)) / probe_steps
-      for n, s in jax_steps.items()
-  }
+  probe_steps = max(2, round((0.05 if options.smoke else 2.0) / min(estimate.values())))
+  probe_timer = common.Rounds({n: back_to_back(s, probe_steps) for n, s in jax_steps.items()})
+  for _ in range(PROBE_ROUNDS):
+    probe_timer.round()
+  probe = {n: common.median(w) / probe_steps for n, w in probe_timer.wall.items()}
   chosen = min(probe, key=probe.get)
   other = next((n for n in jax_steps if n != chosen), other)
   config, jax_step, step_seconds = configs[chosen], jax_steps[chosen], probe[chosen]
