@@ -106,8 +106,13 @@ def hf_gpt2(shape: Shape):
       resid_pdrop=0.0,
       embd_pdrop=0.0,
       attn_pdrop=0.0,
+      bos_token_id=None,  # GPT-2's 50256 lies outside the bench vocabularies; no step reads it
+      eos_token_id=None,
   )
-  return transformers.GPT2LMHeadModel(hf_config).train()
+  model = transformers.GPT2LMHeadModel(hf_config)
+  # The loss HF falls back to for GPT-2 anyway, named so that it does not warn on every run.
+  model.loss_type = "ForCausalLM"
+  return model.train()
 
 
 def torch_step(model, shape: Shape, loss_of: Callable, compile_model: bool) -> Callable[[], None]:
