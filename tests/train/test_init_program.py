@@ -1,9 +1,9 @@
 """The state's initialisation compiled with run.CPU_INIT_OPTIONS has XLA's default bits.
 
 On CPU the trainer compiles `init` at LLVM's -O1, unless XLA_FLAGS name a level, because
-it runs once and its compile is the slow part; the parameters and optimizer state must be exactly what the default compile
-gives, for every family (T5's relative bias, BERT's heads, LLaMA's untied output, the
-encoder-decoder's two stacks).
+it runs once and its compile is the slow part; the parameters and optimizer state must be
+exactly what the default compile gives, for every family (T5's relative bias, BERT's heads,
+LLaMA's untied output, the encoder-decoder's two stacks).
 """
 
 import jax
