@@ -71,6 +71,45 @@ def test_rmsnorm():
   np.testing.assert_allclose(np.asarray(module.apply({"params": p}, X)), expected, atol=1e-5)
 
 
+def _flax_norm(kind: str, use_bias: bool) -> nn.Module:
+  """flax's own module for the same norm: the reference for params, forward and gradients."""
+  if kind == "rmsnorm":
+    return nn.RMSNorm(epsilon=1e-5, dtype=jnp.float32)
+  return nn.LayerNorm(epsilon=1e-5, use_bias=use_bias, dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("kind,use_bias", [("layernorm", True), ("layernorm", False), ("rmsnorm", False)])
+def test_norm_is_flax_bit_for_bit_and_its_backward_is_flax_autodiff(kind, use_bias, dtype):
+  """The hand-written VJP (norms.normalize) against autodiff of flax's module, on params
+  that are not the initial ones and inputs with a large mean (the fast variance's worst case)."""
+  ours = make_norm(NormSpec(kind, eps=1e-5, use_bias=use_bias))
+  reference = _flax_norm(kind, use_bias)
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.standard_normal((3, 5, 24)) * 2 + 3, dtype)
+  params = _init(ours, x)
+  assert jax.tree.map(np.shape, params) == jax.tree.map(np.shape, _init(reference, x))
+  params = jax.tree.map(lambda a: a + jnp.asarray(rng.standard_normal(a.shape) * 0.3, a.dtype), params)
+  out = jax.jit(ours.apply)({"params": params}, x)
+  expected = jax.jit(reference.apply)({"params": params}, x)
+  assert out.dtype == expected.dtype
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
+
+  cotangent = jnp.asarray(rng.standard_normal(out.shape), jnp.float32)
+
+  def grads(module):
+    loss = lambda p, x: jnp.sum(module.apply({"params": p}, x).astype(jnp.float32) * cotangent)
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
+
+  (got_params, got_x), (want_params, want_x) = grads(ours), grads(reference)
+  assert got_x.dtype == x.dtype and jax.tree.map(jnp.dtype, got_params) == jax.tree.map(jnp.dtype, params)
+  # bf16 inputs: dx rounds to bf16 after float32 math in a different order, ~1 ulp apart.
+  rtol = 1e-5 if dtype == jnp.float32 else 1e-2
+  for got, want in zip(jax.tree.leaves((got_params, got_x)), jax.tree.leaves((want_params, want_x))):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max())
+
+
 def test_unknown_norm_names_the_field():
   with pytest.raises(ValueError, match="model.norm='batchnorm'"):
     make_norm(NormSpec("batchnorm", eps=1e-5))
