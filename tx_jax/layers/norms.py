@@ -77,33 +77,29 @@ class Norm(nn.Module):
           features,
           self.param_dtype,
       )
-    out_dtype = self.dtype or jnp.result_type(x, scale, *([bias] if bias is not None else []))
+    out_dtype = self.dtype or jnp.result_type(x, *(p for p in (scale, bias) if p is not None))
     return normalize(x, scale, bias, self.epsilon, self.center, out_dtype)
-
-
-def _statistics(x: Array, center: bool) -> tuple[Array, Array]:
-  """flax's `_compute_stats` (fast variance): mean and variance in at least float32."""
-  xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-  if not center:
-    return jnp.zeros(x.shape[:-1], xf.dtype), jnp.mean(jax.lax.square(xf), axis=-1)
-  mean, mean_sq = jnp.mean(xf, axis=-1), jnp.mean(jax.lax.square(xf), axis=-1)
-  return mean, jnp.maximum(0.0, mean_sq - jax.lax.square(mean))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def normalize(x, scale, bias, epsilon, center, out_dtype):
-  """(x − mean) / sqrt(var + eps) · scale (+ bias) over the last axis, as flax computes it.
-
-  center=False is RMSNorm (mean 0). bias may be None.
+  """(x − mean) / sqrt(var + eps) · scale (+ bias) over the last axis, as flax computes it
+  (its fast variance, statistics in at least float32). center=False is RMSNorm (no mean).
+  bias may be None.
   """
   return _normalize_fwd(x, scale, bias, epsilon, center, out_dtype)[0]
 
 
 def _normalize_fwd(x, scale, bias, epsilon, center, out_dtype):
-  mean, var = _statistics(x, center)
-  mean = mean[..., None]
-  rstd = jax.lax.rsqrt(var[..., None] + epsilon)
-  y = (x - mean) * (rstd * scale)
+  xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+  mean_sq = jnp.mean(jax.lax.square(xf), axis=-1, keepdims=True)
+  mean, var, centered = None, mean_sq, x
+  if center:
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.maximum(0.0, mean_sq - jax.lax.square(mean))
+    centered = x - mean
+  rstd = jax.lax.rsqrt(var + epsilon)
+  y = centered * (rstd * scale)
   if bias is not None:
     y = y + bias
   return y.astype(out_dtype), (x, mean, rstd, scale, bias)
@@ -114,9 +110,9 @@ def _normalize_bwd(epsilon, center, out_dtype, residuals, dy):
   d scale = Σ dy · x̂ and d bias = Σ dy over every axis but the last."""
   del epsilon, out_dtype
   x, mean, rstd, scale, bias = residuals
-  f32 = mean.dtype
+  f32 = rstd.dtype
   g = dy.astype(f32)
-  x_hat = (x.astype(f32) - mean) * rstd
+  x_hat = (x.astype(f32) if mean is None else x.astype(f32) - mean) * rstd
   g_hat = g * scale.astype(f32)
   batch_axes = tuple(range(x.ndim - 1))
   d_scale = jnp.sum(g * x_hat, axis=batch_axes).astype(scale.dtype)
