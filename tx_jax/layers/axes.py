@@ -9,7 +9,6 @@ Parameters and activations carry separate names so that the two can be sharded i
 from __future__ import annotations
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 # Parameter axes.
@@ -66,14 +65,7 @@ def activation_axes(shape: str) -> tuple[str, ...]:
 
 
 def constrain(x: jnp.ndarray, shape: str) -> jnp.ndarray:
-  """`x` constrained to the layout the rules give its shape letters.
-
-  A no-op without rules, and inside shard_map over every mesh axis (the train step's
-  per-device gradient, tx_jax.train.data_parallel), where each array is one device's block.
-  """
+  """`x` constrained to the layout the rules give its shape letters (a no-op without rules)."""
   if x.ndim != len(shape):
     raise ValueError(f"constrain: shape {shape!r} names {len(shape)} dims, the array has {x.ndim}")
-  mesh = jax.sharding.get_abstract_mesh()
-  if not mesh.empty and mesh.are_all_axes_manual:
-    return x
   return nn.with_logical_constraint(x, activation_axes(shape))

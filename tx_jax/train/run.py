@@ -23,7 +23,7 @@ from tx_jax import models
 from tx_jax import multihost
 from tx_jax import sharding
 from tx_jax.models import summary as model_summary
-from tx_jax.train import data_parallel, metrics as metrics_lib, optimizers
+from tx_jax.train import metrics as metrics_lib, optimizers
 from tx_jax.train import progress as progress_lib, state as state_lib, steps
 
 
@@ -96,7 +96,7 @@ class TrainRun:
     self.ckpt.close()
 
 
-def bind_train_step(config, apply_fn, tx, schedule, shard_grads=None) -> Callable:
+def bind_train_step(config, apply_fn, tx, schedule) -> Callable:
   """steps.train_step with config's static arguments bound: (state, batch) -> (state, metrics)."""
   return functools.partial(
       steps.train_step,
@@ -106,7 +106,6 @@ def bind_train_step(config, apply_fn, tx, schedule, shard_grads=None) -> Callabl
       label_smoothing=config.loss.label_smoothing,
       z_loss=config.loss.z_loss,
       grad_accum_steps=config.train.grad_accum_steps,
-      shard_grads=shard_grads,
   )
 
 
@@ -201,10 +200,7 @@ def jit_steps(config, module, tx, schedule, shardings, mesh, rules):
   apply_fn = make_apply_fn(module, config.model)
   replicated = sharding.replicated(mesh)
   batch_sharding = sharding.batch_sharding(mesh)
-  # Pure data parallelism on CPU: the gradient summed as one flat buffer (data_parallel.py).
-  flat = data_parallel.unsupported(mesh, shardings.params, config.model) is None
-  reduce = functools.partial(data_parallel.flat_all_reduce, mesh=mesh) if flat else None
-  step_fn = bind_train_step(config, apply_fn, tx, schedule, reduce)
+  step_fn = bind_train_step(config, apply_fn, tx, schedule)
 
   def train_step(state, batch):  # metrics packed: one buffer to pull (steps.pack_metrics)
     state, metrics = step_fn(state, batch)

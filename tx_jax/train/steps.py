@@ -5,7 +5,6 @@ once with explicit shardings and the state donated; nothing here knows about mes
 `apply_fn(params, batch, train, rng) -> logits` is built by the loop from the model.
 """
 
-import functools
 from typing import Any, Callable
 
 import jax
@@ -16,8 +15,6 @@ from tx_jax.train import losses
 from tx_jax.train.state import TrainState
 
 ApplyFn = Callable[[Any, dict, bool, jax.Array], jax.Array]
-# (params, batch, rng) -> (loss sums, gradient sums): what train_step's shard_grads wraps.
-GradSumsFn = Callable[[Any, dict, jax.Array], tuple[dict, Any]]
 
 # train_step's metrics, in the order of the packed vector the loop pulls.
 METRIC_NAMES = (
@@ -70,34 +67,6 @@ def _grad_sums(
   return sums, grads
 
 
-def accumulated_grad_sums(
-    params: Any,
-    batch: dict,
-    rng: jax.Array,
-    *,
-    apply_fn: ApplyFn,
-    label_smoothing: float,
-    z_loss: float,
-    grad_accum_steps: int,
-) -> tuple[dict, Any]:
-  """_grad_sums over the whole batch, or summed over grad_accum_steps micro-batches."""
-  if grad_accum_steps == 1:
-    return _grad_sums(params, batch, rng, apply_fn, label_smoothing, z_loss)
-  micro = split_micro_batches(batch, grad_accum_steps)
-
-  def body(carry, xs):
-    i, mb = xs
-    s, g = _grad_sums(params, mb, jax.random.fold_in(rng, i), apply_fn, label_smoothing, z_loss)
-    return jax.tree.map(jnp.add, carry, (s, g)), None
-
-  sum_names = ("loss_sum", "nll_sum", "correct_sum", "weight_sum")
-  zeros = jax.tree.map(
-      jnp.zeros_like, ({k: jnp.zeros((), jnp.float32) for k in sum_names}, params)
-  )
-  (sums, grads), _ = jax.lax.scan(body, zeros, (jnp.arange(grad_accum_steps), micro))
-  return sums, grads
-
-
 def train_step(
     state: TrainState,
     batch: dict,
@@ -108,26 +77,36 @@ def train_step(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     grad_accum_steps: int = 1,
-    shard_grads: Callable[[GradSumsFn], GradSumsFn] | None = None,
 ) -> tuple[TrainState, dict]:
   """One optimizer step on a global batch; skips the update when anything is non-finite.
 
   The loss is sum(loss * weights) / sum(weights) over the whole global batch, also with
   k accumulated micro-batches (their gradient sums are added, then divided once).
-  `shard_grads`, when given, wraps the (params, batch, rng) -> (sums, grads) computation
-  so that it runs per data shard and sums across shards (data_parallel.flat_all_reduce).
   """
   rng = jax.random.fold_in(state.rng, state.step)
-  compute = functools.partial(
-      accumulated_grad_sums,
-      apply_fn=apply_fn,
-      label_smoothing=label_smoothing,
-      z_loss=z_loss,
-      grad_accum_steps=grad_accum_steps,
-  )
-  if shard_grads is not None:
-    compute = shard_grads(compute)
-  sums, grads = compute(state.params, batch, rng)
+  if grad_accum_steps == 1:
+    sums, grads = _grad_sums(state.params, batch, rng, apply_fn, label_smoothing, z_loss)
+  else:
+    micro = split_micro_batches(batch, grad_accum_steps)
+
+    def body(carry, xs):
+      i, mb = xs
+      s, g = _grad_sums(
+          state.params, mb, jax.random.fold_in(rng, i), apply_fn, label_smoothing, z_loss
+      )
+      return jax.tree.map(jnp.add, carry, (s, g)), None
+
+    zeros = jax.tree.map(
+        jnp.zeros_like,
+        (
+            {
+                k: jnp.zeros((), jnp.float32)
+                for k in ("loss_sum", "nll_sum", "correct_sum", "weight_sum")
+            },
+            state.params,
+        ),
+    )
+    (sums, grads), _ = jax.lax.scan(body, zeros, (jnp.arange(grad_accum_steps), micro))
   denom = jnp.maximum(sums["weight_sum"], 1.0)
   grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
   grad_norm = optax.global_norm(grads)
