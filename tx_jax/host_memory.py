@@ -1,28 +1,40 @@
 """Keep freed host memory for reuse, so XLA:CPU's per-step buffers stop costing page faults.
 
-Why this exists: every execution of a compiled XLA:CPU program mallocs one block for all
-its temporaries (136 MiB for the `configs/gpt.py:tiny-shakespeare` train step, 1.1 GiB for
-the benchmark's GPT) from a runtime worker thread, and frees it when the step ends. glibc
-serves a block that large with a fresh `mmap` (a worker thread's own arena cannot hold it),
-so the kernel zero-fills every page again on every step: 35,600 page faults and 0.65 of 2
-cores spent in the kernel per 130 ms step. With one malloc arena, no `mmap` for large blocks
-and no trimming of the heap top, the block is reused and the same step takes 80 ms
-(docs/performance.md; a 2 GiB trim threshold was not enough for the 1.1 GiB block).
+Why this exists: every execution of a compiled XLA:CPU program mallocs the block for its
+temporaries (2 x 32 MiB for the `configs/gpt.py:tiny-shakespeare` train step on its two
+devices, 1.1 GiB for the benchmark's GPT) from a runtime worker thread, and frees it when
+the step ends. glibc serves a block that large with a fresh `mmap`, so the kernel zero-fills
+every page again on every step: 35,600 page faults and 0.65 of 2 cores spent in the kernel
+per 130 ms step (docs/performance.md).
 
-`reuse_freed_memory()` applies those three glibc settings with `mallopt`. It must run before
-JAX starts its CPU backend (the worker threads pick their arena on their first malloc), so
-the trainer, every `experiments.*` command and the test suite call it first. It changes
-nothing when:
+`reuse_freed_memory()` makes glibc keep those blocks, and keeps each thread's own arena:
+
+- no `mmap` for large blocks (`M_MMAP_MAX` 0) and no trimming of the heap top
+  (`M_TRIM_THRESHOLD` -1), so a freed block stays in its arena for the next step;
+- a 64 MiB top pad (`M_TOP_PAD`): glibc deletes a worker thread's heap as soon as it is
+  wholly free (a thread's arena grows in heaps of at most 64 MiB) unless the heap before it
+  lacks that much room, so without the pad the step's block went back to the kernel anyway;
+- XLA told to split each program's temporaries into blocks of at most 16 MiB
+  (`--xla_multiheap_size_constraint_per_heap`, added to XLA_FLAGS unless already there), so
+  that they fit a thread's heap: a block over 64 MiB can only be `mmap`ped there.
+
+One arena for the whole process did the same for the blocks, and was this module's first
+answer: it serialised every malloc of XLA's threads on one lock, which cost the `small`
+step 20%, the tiny-shakespeare step 11% and every compile ~30% (docs/performance_xeon.md).
+
+It must run before JAX starts its CPU backend (the worker threads pick their arena on their
+first malloc, and XLA reads XLA_FLAGS once), so the trainer, every `experiments.*` command
+and the test suite call it first. It changes nothing when:
 
 - the process does not use glibc (macOS, musl);
 - an accelerator plugin is installed or `jax_platforms` names a non-CPU platform first: the
-  host then only feeds the device, and one arena could make its input threads contend;
+  host then only feeds the device;
 - the user chose for themselves: `MALLOC_ARENA_MAX`, `MALLOC_MMAP_MAX_`,
-  `MALLOC_TRIM_THRESHOLD_` or malloc `GLIBC_TUNABLES` in the environment;
+  `MALLOC_TRIM_THRESHOLD_`, `MALLOC_TOP_PAD_` or malloc `GLIBC_TUNABLES` in the environment;
 - `TX_JAX_HOST_MALLOC=system` is set (the opt-out);
 - a JAX backend is already running (too late to help; the returned reason says so).
 
-The cost: the process keeps its peak heap instead of returning freed memory to the system,
+The cost: each arena keeps its peak heap instead of returning freed memory to the system,
 as a caching allocator would.
 """
 
@@ -34,9 +46,19 @@ import importlib.metadata
 import os
 import sys
 
-_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8  # glibc's <malloc.h> parameters
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4  # glibc's <malloc.h> parameters
 _NEVER_TRIM = -1  # mallopt(M_TRIM_THRESHOLD, -1): never give the heap top back
-_USER_SETTINGS = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")
+# glibc's largest heap of a thread's arena on 64-bit hosts (HEAP_MAX_SIZE). As the top pad,
+# it keeps every emptied heap: glibc deletes one only if the heap before it has more room.
+_THREAD_HEAP_BYTES = 64 << 20
+_TEMP_BLOCK_BYTES = 16 << 20  # XLA's temporaries in blocks a thread's heap holds with room
+_SPLIT_FLAG = "--xla_multiheap_size_constraint_per_heap"
+_USER_SETTINGS = (
+    "MALLOC_ARENA_MAX",
+    "MALLOC_MMAP_MAX_",
+    "MALLOC_TRIM_THRESHOLD_",
+    "MALLOC_TOP_PAD_",
+)
 _state = {"result": None}
 
 
@@ -82,6 +104,13 @@ def _skip_reason() -> str | None:
   return _accelerator_expected()
 
 
+def split_temporaries() -> None:
+  """Adds the 16 MiB limit on XLA's blocks of temporaries to XLA_FLAGS, unless one is set."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if _SPLIT_FLAG not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} {_SPLIT_FLAG}={_TEMP_BLOCK_BYTES}".strip()
+
+
 def reuse_freed_memory() -> str:
   """Applies the malloc settings above when they can help; returns what happened, in words.
 
@@ -94,11 +123,13 @@ def reuse_freed_memory() -> str:
       ok = all(
           libc.mallopt(param, value) == 1
           for param, value in (
-              (_M_ARENA_MAX, 1),
               (_M_MMAP_MAX, 0),
               (_M_TRIM_THRESHOLD, _NEVER_TRIM),
+              (_M_TOP_PAD, _THREAD_HEAP_BYTES),
           )
       )
+      if ok:
+        split_temporaries()
       _state["result"] = "applied" if ok else "mallopt refused a setting"
     else:
       _state["result"] = f"unchanged: {reason}"
