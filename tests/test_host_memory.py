@@ -14,8 +14,9 @@ from tx_jax import host_memory
 # of ten calls after five warm-up calls. Without reuse, every call faults its temporaries in
 # again (~35,000 faults of 4 KiB, for 18,400 pages of temporaries); with it, the freed
 # blocks are handed back. 72 MiB is more than one heap of a worker thread's arena holds
-# (64 MiB): only split into XLA's 16 MiB blocks does it stay in the arena. (The first calls
-# still grow the heaps until every allocation order fits: hence the warm-up and the median.)
+# (64 MiB): only split into XLA's blocks of at most 60 MiB does it stay in the arena. (The
+# first calls still grow the heaps until every allocation order fits: hence the warm-up and
+# the median.)
 _PROBE = textwrap.dedent(
     """
     import json, resource
@@ -100,7 +101,7 @@ def test_threads_keep_their_own_arenas_and_xla_splits_temporaries():
     pytest.skip("not a glibc process")
   arenas, flags = _run(_ARENAS, JAX_PLATFORMS="cpu").split(" ", 1)
   assert int(arenas) > 1, arenas
-  assert "--xla_multiheap_size_constraint_per_heap=16777216" in flags, flags
+  assert "--xla_multiheap_size_constraint_per_heap=62914560" in flags, flags
   # A limit the user gave XLA is theirs.
   _, flags = _run(
       _ARENAS, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_multiheap_size_constraint_per_heap=-1"

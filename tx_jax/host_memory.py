@@ -14,9 +14,10 @@ per 130 ms step (docs/performance.md).
 - a 64 MiB top pad (`M_TOP_PAD`): glibc deletes a worker thread's heap as soon as it is
   wholly free (a thread's arena grows in heaps of at most 64 MiB) unless the heap before it
   lacks that much room, so without the pad the step's block went back to the kernel anyway;
-- XLA told to split each program's temporaries into blocks of at most 16 MiB
+- XLA told to split each program's temporaries into blocks of at most 60 MiB
   (`--xla_multiheap_size_constraint_per_heap`, added to XLA_FLAGS unless already there), so
-  that they fit a thread's heap: a block over 64 MiB can only be `mmap`ped there.
+  that they fit a thread's heap: a block over 64 MiB can only be `mmap`ped there. A single
+  buffer over 60 MiB still is, and XLA logs a warning for it when it compiles the program.
 
 One arena for the whole process did the same for the blocks, and was this module's first
 answer: it serialised every malloc of XLA's threads on one lock, which cost the `small`
@@ -51,7 +52,9 @@ _NEVER_TRIM = -1  # mallopt(M_TRIM_THRESHOLD, -1): never give the heap top back
 # glibc's largest heap of a thread's arena on 64-bit hosts (HEAP_MAX_SIZE). As the top pad,
 # it keeps every emptied heap: glibc deletes one only if the heap before it has more room.
 _THREAD_HEAP_BYTES = 64 << 20
-_TEMP_BLOCK_BYTES = 16 << 20  # XLA's temporaries in blocks a thread's heap holds with room
+# XLA's temporaries in blocks that fit one such heap with its header. (XLA logs a warning
+# for each single buffer above it: such a buffer is mmapped at every step, as by default.)
+_TEMP_BLOCK_BYTES = 60 << 20
 _SPLIT_FLAG = "--xla_multiheap_size_constraint_per_heap"
 _USER_SETTINGS = (
     "MALLOC_ARENA_MAX",
@@ -105,7 +108,7 @@ def _skip_reason() -> str | None:
 
 
 def split_temporaries() -> None:
-  """Adds the 16 MiB limit on XLA's blocks of temporaries to XLA_FLAGS, unless one is set."""
+  """Adds the 60 MiB limit on XLA's blocks of temporaries to XLA_FLAGS, unless one is set."""
   flags = os.environ.get("XLA_FLAGS", "")
   if _SPLIT_FLAG not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} {_SPLIT_FLAG}={_TEMP_BLOCK_BYTES}".strip()
