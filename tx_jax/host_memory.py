@@ -21,7 +21,7 @@ per 130 ms step (docs/performance.md).
 
 One arena for the whole process did the same for the blocks, and was this module's first
 answer: it serialised every malloc of XLA's threads on one lock, which cost the `small`
-step 20%, the tiny-shakespeare step 11% and every compile ~30% (docs/performance_xeon.md).
+step 20%, the tiny-shakespeare step 10% and every compile ~30% (docs/performance_xeon.md).
 
 It must run before JAX starts its CPU backend (the worker threads pick their arena on their
 first malloc, and XLA reads XLA_FLAGS once), so the trainer, every `experiments.*` command
