@@ -36,7 +36,9 @@ and the test suite call it first. It changes nothing when:
 - a JAX backend is already running (too late to help; the returned reason says so).
 
 The cost: each arena keeps its peak heap instead of returning freed memory to the system,
-as a caching allocator would.
+as a caching allocator would (the shipped tiny-shakespeare run peaks at 0.77 GB either way),
+and each new thread heap reserves its whole 64 MiB of address space (untouched pages cost
+no memory unless the kernel is set to refuse overcommit).
 """
 
 from __future__ import annotations
