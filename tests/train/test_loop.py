@@ -4,8 +4,11 @@ import gc
 import json
 import subprocess
 import sys
+import threading
 import time
 
+import jax
+from jax._src import dispatch  # BACKEND_COMPILE_EVENT: the name of a backend compile
 import numpy as np
 import pytest
 
@@ -155,3 +158,30 @@ def test_after_log_runs_after_each_logged_step_outside_the_throughput_clock(tmp_
   assert len(windows) == 3
   for row in windows:
     assert row["tokens_per_sec"] > 2 * window_tokens / hook_seconds, row
+
+
+def test_setup_compiles_the_train_step_while_init_runs(tmp_path):
+  """run.setup compiles the step on a thread beside `init`; the first step compiles nothing.
+
+  A resumed run restores instead, and its step compiles at the first call as before.
+  """
+  corpus = runs.write_corpus(tmp_path / "corpus.txt")
+  config = _config(corpus, **{"train.eval_every": 0, "checkpoint.every": 0})
+  compiles = []
+
+  def on_compile(event, duration, **kwargs):
+    del duration, kwargs
+    if event == dispatch.BACKEND_COMPILE_EVENT:
+      compiles.append(event)
+
+  run = run_lib.setup(config, tmp_path / "w")
+  jax.monitoring.register_event_duration_secs_listener(on_compile)
+  try:
+    batch = run.next_batch()
+    run.state, metrics = run.train_step(run.state, run.to_global(batch))
+    jax.block_until_ready(metrics)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(on_compile)
+    run.close()
+  assert compiles == [], compiles
+  assert not [t for t in threading.enumerate() if t.name == "tx_jax-compile-ahead"]
