@@ -1,8 +1,9 @@
 """Everything a training run needs before its first step, as one small object.
 
-`setup(config, workdir)` builds shapes first (`jax.eval_shape`), then shardings, then a
-sharded `jax.jit(init)` or a restore from the workdir's newest good checkpoint, and the
-jitted train/eval steps. The loop in `loop.py` only steps, logs, evaluates and saves.
+`setup(config, workdir)` builds shapes first (`jax.eval_shape`), then shardings and the
+jitted train/eval steps, then a restore from the workdir's newest good checkpoint or a
+sharded `jax.jit(init)`, with the train step compiling on a thread beside it. The loop in
+`loop.py` only steps, logs, evaluates and saves.
 """
 
 import dataclasses
