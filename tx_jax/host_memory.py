@@ -109,7 +109,7 @@ def _skip_reason() -> str | None:
   return _accelerator_expected()
 
 
-def split_temporaries() -> None:
+def _split_temporaries() -> None:
   """Adds the 60 MiB limit on XLA's blocks of temporaries to XLA_FLAGS, unless one is set."""
   flags = os.environ.get("XLA_FLAGS", "")
   if _SPLIT_FLAG not in flags:
@@ -134,7 +134,7 @@ def reuse_freed_memory() -> str:
           )
       )
       if ok:
-        split_temporaries()
+        _split_temporaries()
       _state["result"] = "applied" if ok else "mallopt refused a setting"
     else:
       _state["result"] = f"unchanged: {reason}"

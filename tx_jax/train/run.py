@@ -234,14 +234,19 @@ def compile_ahead(train_step, abstract_state, batch: dict) -> threading.Thread |
   step 0.4 s sooner (3.40-3.45 vs 3.78-3.86 s; docs/performance_xeon.md). The first call
   then finds the executable in JAX's caches. With several processes the step compiles in
   lockstep at its first call (multihost.compile_in_lockstep), so nothing is started.
+
+  Best effort: the thread does not see JAX config contexts the caller entered around
+  training (they are thread-local, e.g. `jax.default_matmul_precision`). Under one, its
+  program is another cache entry, never used: the first call compiles its own, as without
+  the thread, and any error of that compile is raised there, in the caller's thread.
   """
-  if not hasattr(train_step, "lower"):
+  if jax.process_count() > 1:
     return None
 
   def compile_step() -> None:
     try:
       train_step.lower(abstract_state, batch).compile()
-    except Exception:  # noqa: BLE001 -- the first call compiles again and raises it there
+    except Exception:  # noqa: BLE001 -- not this thread's to report: see the docstring
       pass
 
   thread = threading.Thread(target=compile_step, name="tx_jax-compile-ahead")
