@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tx_jax.layers import axes
+from tx_jax.layers import axes, cpu_gemm
 from tx_jax.layers.embed import Embed
 from tx_jax.layers.linear import Linear, project
 from tx_jax.layers.mlp import GatedMlp, Mlp
@@ -139,8 +139,12 @@ def test_linear_contracts_trailing_dims_with_a_boxed_full_rank_kernel():
 
 
 @pytest.mark.parametrize("use_bias", [True, False])
-def test_linear_is_nn_dense_bit_for_bit(use_bias):
-  """Same parameter names, init and output as flax's nn.Dense (checkpoints stay loadable)."""
+def test_linear_is_nn_dense_bit_for_bit(use_bias, monkeypatch):
+  """Same parameter names, init and output as flax's nn.Dense (checkpoints stay loadable).
+
+  Bit for bit with XLA's dot, which nn.Dense uses; MKL's GEMM (cpu_gemm) rounds its own way.
+  """
+  monkeypatch.setenv(cpu_gemm.ENV, "xla")
   init = nn.initializers.normal(0.3)
   ours = Linear(6, ("embed", "vocab"), use_bias=use_bias, kernel_init=init)
   dense = nn.Dense(6, use_bias=use_bias, kernel_init=init)

@@ -1,0 +1,150 @@
+"""MKL's GEMM as an XLA custom call (tx_jax/layers/cpu_gemm.py) against numpy and XLA's dot."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tx_jax.layers import cpu_gemm, linear
+
+pytestmark = pytest.mark.skipif(
+    cpu_gemm._load() is not None, reason=f"MKL's GEMM unavailable here: {cpu_gemm._load()}"
+)
+
+MESH_AXES = ("data", "fsdp", "sequence", "tensor")
+
+
+def _mesh(**sizes):
+  shape = tuple(sizes.get(name, 1) for name in MESH_AXES)
+  devices = np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape)
+  return Mesh(devices, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def _hlo_calls(compiled_text: str) -> list[str]:
+  return [line for line in compiled_text.splitlines() if f'"{cpu_gemm.TARGET}"' in line]
+
+
+# (m, k, n): one element; empty output; an empty contraction; a block split that does not
+# divide; wide outputs split by columns; the bench config's up projection.
+SHAPES = [(1, 1, 1), (0, 3, 4), (5, 0, 7), (301, 67, 129), (40, 300, 1001), (2048, 512, 2048)]
+
+
+@pytest.mark.parametrize("m, k, n", SHAPES)
+@pytest.mark.parametrize("trans_a, trans_b", [(False, False), (True, False), (False, True)])
+def test_gemm_matches_numpy_in_float64(m, k, n, trans_a, trans_b):
+  rng = np.random.default_rng(m + k + n)
+  a = rng.standard_normal((k, m) if trans_a else (m, k), dtype=np.float32)
+  b = rng.standard_normal((n, k) if trans_b else (k, n), dtype=np.float32)
+  got = jax.jit(lambda a, b: cpu_gemm.gemm(a, b, trans_a=trans_a, trans_b=trans_b))(a, b)
+  a64, b64 = a.astype(np.float64), b.astype(np.float64)
+  expected = (a64.T if trans_a else a64) @ (b64.T if trans_b else b64)
+  assert got.shape == (m, n) and got.dtype == jnp.float32
+  # float32 accumulation over k terms of unit variance: error grows like sqrt(k).
+  np.testing.assert_allclose(np.asarray(got), expected, rtol=0, atol=2e-6 * max(k, 1) ** 0.5 * 4)
+
+
+def _loss(project_fn, in_dims):
+  return lambda x, w: jnp.sum(jnp.sin(project_fn(x, w, in_dims)))
+
+
+def _xla_project(x, w, in_dims):
+  return linear._contract(x, w, in_dims)
+
+
+@pytest.mark.parametrize(
+    "x_shape, w_shape, in_dims",
+    [((4, 7, 6), (6, 33), 1), ((4, 7, 6), (6, 3, 5), 1), ((4, 7, 3, 2), (3, 2, 9), 2)],
+)
+def test_project_value_and_gradients_match_xla_dot(x_shape, w_shape, in_dims):
+  x = jax.random.normal(jax.random.key(0), x_shape)
+  w = jax.random.normal(jax.random.key(1), w_shape)
+  expected = jax.jit(jax.value_and_grad(_loss(_xla_project, in_dims), argnums=(0, 1)))(x, w)
+  fn = jax.value_and_grad(_loss(linear.project, in_dims), argnums=(0, 1))
+  got = jax.jit(fn)(x, w)
+  assert len(_hlo_calls(jax.jit(fn).lower(x, w).compile().as_text())) == 3  # y, dx, dkernel
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_project_under_a_batch_split_mesh_runs_per_device_and_sums_the_kernel_gradient():
+  """fsdp=2, data=2: each device multiplies its quarter of the rows; dkernel is all-reduced."""
+  mesh = _mesh(data=2, fsdp=2)
+  x = jax.random.normal(jax.random.key(0), (8, 5, 6))
+  w = jax.random.normal(jax.random.key(1), (6, 10))
+  expected = jax.jit(jax.value_and_grad(_loss(_xla_project, 1), argnums=(0, 1)))(x, w)
+
+  def step(x, w):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return jax.value_and_grad(_loss(linear.project, 1), argnums=(0, 1))(x, w)
+
+  x_sharded = jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp"))))
+  w_sharded = jax.device_put(w, NamedSharding(mesh, P("fsdp")))
+  compiled = jax.jit(step).lower(x_sharded, w_sharded).compile()
+  calls = _hlo_calls(compiled.as_text())
+  assert len(calls) == 3
+  # 8 x 5 = 40 rows over 4 devices: every call sees x, or dx, as 10 rows of 6.
+  assert all("f32[10,6]" in line and "f32[40," not in line for line in calls)
+  got = compiled(x_sharded, w_sharded)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_tensor_parallel_meshes_and_indivisible_batches_keep_xla_dot():
+  x, w = jnp.ones((3, 4, 6)), jnp.ones((6, 8))
+  for mesh in (_mesh(tensor=2), _mesh(fsdp=2)):  # a split kernel; 3 rows over 2 devices
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      assert cpu_gemm.batch_axes(x) is None
+      text = jax.jit(lambda x, w: linear.project(x, w, 1)).lower(x, w).as_text()
+    assert cpu_gemm.TARGET not in text
+
+
+def test_other_dtypes_and_the_xla_setting_keep_xla_dot(monkeypatch):
+  x, w = jnp.ones((3, 4, 6)), jnp.ones((6, 8))
+  lower = lambda x, w: jax.jit(lambda x, w: linear.project(x, w, 1)).lower(x, w).as_text()  # noqa: E731
+  assert cpu_gemm.TARGET in lower(x, w)
+  assert cpu_gemm.TARGET not in lower(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
+  monkeypatch.setenv(cpu_gemm.ENV, "xla")
+  assert cpu_gemm.TARGET not in lower(x, w)
+
+
+def test_project_under_vmap_equals_the_unbatched_projection():
+  x = jax.random.normal(jax.random.key(0), (3, 4, 6))
+  w = jax.random.normal(jax.random.key(1), (6, 8))
+  got = jax.jit(jax.vmap(lambda x: linear.project(x, w, 1)))(x)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(x) @ np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+def test_an_unknown_setting_names_the_variable_and_the_accepted_values(monkeypatch):
+  monkeypatch.setenv(cpu_gemm.ENV, "blas")
+  with pytest.raises(ValueError, match=r"TX_JAX_CPU_GEMM='blas': expected one of auto, mkl, xla"):
+    cpu_gemm.setting()
+
+
+_WITHOUT_COMPILER = """
+import logging, jax, jax.numpy as jnp
+logging.basicConfig(level=logging.WARNING)
+from tx_jax.layers import linear
+x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
+print(float(jax.jit(lambda x, w: linear.project(x, w, 1))(x, w).sum()))
+"""
+
+
+@pytest.mark.parametrize("setting", ["auto", "mkl"])
+def test_without_a_compiler_auto_falls_back_with_a_warning_and_mkl_is_an_error(setting, tmp_path):
+  env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), cpu_gemm.ENV: setting,
+         "XDG_CACHE_HOME": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+  run = subprocess.run([sys.executable, "-c", _WITHOUT_COMPILER], env=env, capture_output=True,
+                       text=True, timeout=120)
+  if setting == "auto":
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "24.0"
+    assert "projections use XLA's dot on CPU, not MKL" in run.stderr
+  else:
+    assert run.returncode != 0
+    assert "TX_JAX_CPU_GEMM=mkl, but MKL's GEMM is unavailable" in run.stderr
