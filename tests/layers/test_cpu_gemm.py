@@ -59,7 +59,7 @@ def _xla_project(x, w, in_dims):
 
 @pytest.mark.parametrize(
     "x_shape, w_shape, in_dims",
-    [((4, 7, 6), (6, 33), 1), ((4, 7, 6), (6, 3, 5), 1), ((4, 7, 3, 2), (3, 2, 9), 2)],
+    [((4, 37, 6), (6, 33), 1), ((4, 37, 6), (6, 3, 5), 1), ((4, 37, 3, 2), (3, 2, 9), 2)],
 )
 def test_project_value_and_gradients_match_xla_dot(x_shape, w_shape, in_dims):
   x = jax.random.normal(jax.random.key(0), x_shape)
@@ -75,7 +75,7 @@ def test_project_value_and_gradients_match_xla_dot(x_shape, w_shape, in_dims):
 def test_project_under_a_batch_split_mesh_runs_per_device_and_sums_the_kernel_gradient():
   """fsdp=2, data=2: each device multiplies its quarter of the rows; dkernel is all-reduced."""
   mesh = _mesh(data=2, fsdp=2)
-  x = jax.random.normal(jax.random.key(0), (8, 5, 6))
+  x = jax.random.normal(jax.random.key(0), (8, 64, 6))
   w = jax.random.normal(jax.random.key(1), (6, 10))
   expected = jax.jit(jax.value_and_grad(_loss(_xla_project, 1), argnums=(0, 1)))(x, w)
 
@@ -88,35 +88,38 @@ def test_project_under_a_batch_split_mesh_runs_per_device_and_sums_the_kernel_gr
   compiled = jax.jit(step).lower(x_sharded, w_sharded).compile()
   calls = _hlo_calls(compiled.as_text())
   assert len(calls) == 3
-  # 8 x 5 = 40 rows over 4 devices: every call sees x, or dx, as 10 rows of 6.
-  assert all("f32[10,6]" in line and "f32[40," not in line for line in calls)
+  # 8 x 64 = 512 rows over 4 devices: every call sees x, or dx, as 128 rows of 6.
+  assert all("f32[128,6]" in line and "f32[512," not in line for line in calls)
   got = compiled(x_sharded, w_sharded)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
 def test_tensor_parallel_meshes_and_indivisible_batches_keep_xla_dot():
-  x, w = jnp.ones((3, 4, 6)), jnp.ones((6, 8))
+  x, w = jnp.ones((3, 128, 6)), jnp.ones((6, 8))
   for mesh in (_mesh(tensor=2), _mesh(fsdp=2)):  # a split kernel; 3 rows over 2 devices
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      assert cpu_gemm.batch_axes(x) is None
+      assert cpu_gemm.batch_axes(x, 1) is None
       text = jax.jit(lambda x, w: linear.project(x, w, 1)).lower(x, w).as_text()
     assert cpu_gemm.TARGET not in text
 
 
-def test_other_dtypes_and_the_xla_setting_keep_xla_dot(monkeypatch):
-  x, w = jnp.ones((3, 4, 6)), jnp.ones((6, 8))
+def test_few_rows_other_dtypes_and_the_xla_setting_keep_xla_dot(monkeypatch):
+  x, w = jnp.ones((2, 64, 6)), jnp.ones((6, 8))
   lower = lambda x, w: jax.jit(lambda x, w: linear.project(x, w, 1)).lower(x, w).as_text()  # noqa: E731
   assert cpu_gemm.TARGET in lower(x, w)
+  assert cpu_gemm.TARGET not in lower(x[:1, :-1], w)  # 63 rows: a decoding step's size
   assert cpu_gemm.TARGET not in lower(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
   monkeypatch.setenv(cpu_gemm.ENV, "xla")
   assert cpu_gemm.TARGET not in lower(x, w)
 
 
 def test_project_under_vmap_equals_the_unbatched_projection():
-  x = jax.random.normal(jax.random.key(0), (3, 4, 6))
+  x = jax.random.normal(jax.random.key(0), (3, 130, 6))
   w = jax.random.normal(jax.random.key(1), (6, 8))
-  got = jax.jit(jax.vmap(lambda x: linear.project(x, w, 1)))(x)
+  fn = jax.jit(jax.vmap(lambda x: linear.project(x, w, 1)))
+  assert cpu_gemm.TARGET in fn.lower(x).as_text()
+  got = fn(x)
   np.testing.assert_allclose(np.asarray(got), np.asarray(x) @ np.asarray(w), rtol=1e-5, atol=1e-5)
 
 
@@ -148,3 +151,78 @@ def test_without_a_compiler_auto_falls_back_with_a_warning_and_mkl_is_an_error(s
   else:
     assert run.returncode != 0
     assert "TX_JAX_CPU_GEMM=mkl, but MKL's GEMM is unavailable" in run.stderr
+
+
+@pytest.mark.parametrize("trans_a, trans_b", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_batched_gemm_matches_numpy(batch, trans_a, trans_b):
+  rng = np.random.default_rng(batch)
+  m, k, n = 37, 50, 29
+  a = rng.standard_normal((batch,) + ((k, m) if trans_a else (m, k)), dtype=np.float32)
+  b = rng.standard_normal((batch,) + ((n, k) if trans_b else (k, n)), dtype=np.float32)
+  got = jax.jit(lambda a, b: cpu_gemm.gemm(a, b, trans_a=trans_a, trans_b=trans_b))(a, b)
+  a64 = np.swapaxes(a, 1, 2) if trans_a else a
+  b64 = np.swapaxes(b, 1, 2) if trans_b else b
+  np.testing.assert_allclose(np.asarray(got), a64.astype(np.float64) @ b64, rtol=0, atol=1e-4)
+
+
+# Attention's contractions, with operands laid out as the backends pass them.
+EINSUMS = [
+    ("btkgh,bskh->bkgts", (2, 40, 3, 2, 32), (2, 48, 3, 32)),  # both operands transposed
+    ("bkgts,bskh->bkgth", (2, 3, 2, 40, 48), (2, 48, 3, 32)),
+    ("bkgth,bkhs->bkgts", (2, 3, 1, 80, 32), (2, 3, 32, 48)),  # already [batch, M, K], [batch, K, N]
+    ("bkhgt,bkgts->bkhs", (2, 3, 32, 1, 80), (2, 3, 1, 80, 48)),  # x as [batch, K, M]
+    ("bkgts,btkgh->bskh", (2, 3, 2, 40, 48), (2, 40, 3, 2, 32)),
+]
+
+
+@pytest.mark.parametrize("equation, x_shape, y_shape", EINSUMS)
+def test_einsum_value_and_gradients_match_jnp_einsum(equation, x_shape, y_shape):
+  x = jax.random.normal(jax.random.key(0), x_shape)
+  y = jax.random.normal(jax.random.key(1), y_shape)
+
+  def loss(einsum):
+    return lambda x, y: jnp.sum(jnp.sin(einsum(equation, x, y)))
+
+  expected = jax.jit(jax.value_and_grad(loss(jnp.einsum), argnums=(0, 1)))(x, y)
+  fn = jax.jit(jax.value_and_grad(loss(cpu_gemm.einsum), argnums=(0, 1)))
+  assert len(_hlo_calls(fn.lower(x, y).compile().as_text())) == 3  # out, dx, dy
+  for a, b in zip(jax.tree.leaves(fn(x, y)), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5)
+
+
+def test_einsum_under_a_batch_split_mesh_runs_per_device():
+  mesh = _mesh(fsdp=2)
+  equation, x_shape, y_shape = EINSUMS[1]
+  x = jax.random.normal(jax.random.key(0), x_shape)
+  y = jax.random.normal(jax.random.key(1), y_shape)
+  batch = NamedSharding(mesh, P(("data", "fsdp")))
+  x_sharded, y_sharded = jax.device_put(x, batch), jax.device_put(y, batch)
+
+  def fn(x, y):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return cpu_gemm.einsum(equation, x, y)
+
+  compiled = jax.jit(fn).lower(x_sharded, y_sharded).compile()
+  (call,) = _hlo_calls(compiled.as_text())
+  assert "f32[3,80,32]" in call  # one example of 2 per device: [k, (g t), h]
+  np.testing.assert_allclose(
+      np.asarray(compiled(x_sharded, y_sharded)), np.asarray(jnp.einsum(equation, x, y)),
+      rtol=2e-5, atol=2e-5,
+  )
+
+
+@pytest.mark.parametrize(
+    "equation, x_shape, y_shape",
+    [
+        ("bkgth,bskh->bkgts", (2, 3, 1, 1, 32), (2, 48, 3, 32)),  # one query: a decoding step
+        ("ij,jk->ik", (8, 8), (8, 8)),  # under a MFLOP
+        ("ij,jk->i", (64, 64), (64, 64)),  # a letter summed away on one side only
+        ("ii,ik->ik", (64, 64), (64, 64)),  # a repeated letter
+    ],
+)
+def test_einsum_leaves_what_is_not_a_batched_matrix_product_to_xla(equation, x_shape, y_shape):
+  x, y = jnp.ones(x_shape), jnp.ones(y_shape)
+  fn = jax.jit(lambda x, y: cpu_gemm.einsum(equation, x, y))
+  assert cpu_gemm.TARGET not in fn.lower(x, y).as_text()
+  np.testing.assert_allclose(np.asarray(fn(x, y)), np.asarray(jnp.einsum(equation, x, y)))

@@ -34,39 +34,41 @@ struct Block {
   std::atomic<bool> done{false};
 };
 
-// One GEMM cut into `parts` blocks of C's rows (by_rows) or columns; shared with pool tasks
-// that may start after the handler has returned.
+// A batch of GEMMs C[i] = op(A[i]) · op(B[i]), cut into `parts` blocks: of the batch when
+// there is one, else of C's rows (by_rows) or columns. Shared with pool tasks that may start
+// after the handler has returned.
 struct Job {
   Sgemm sgemm;
   const float* a;
   const float* b;
   float* c;
-  int64_t m, n, k, lda, ldb;
+  int64_t batch, m, n, k, lda, ldb;
   bool trans_a, trans_b, by_rows;
   int parts;
   std::unique_ptr<Block[]> blocks;
 
+  void Multiply(const float* a_i, const float* b_i, float* c_i, int64_t rows, int64_t cols) const {
+    sgemm(kRowMajor, trans_a ? kTrans : kNoTrans, trans_b ? kTrans : kNoTrans,
+          static_cast<int>(rows), static_cast<int>(cols), static_cast<int>(k), 1.0f, a_i,
+          static_cast<int>(lda), b_i, static_cast<int>(ldb), 0.0f, c_i, static_cast<int>(n));
+  }
+
   void Run(int p) const {
+    const int64_t a_size = m * k, b_size = k * n, c_size = m * n;
+    if (batch > 1) {
+      for (int64_t i = batch * p / parts; i < batch * (p + 1) / parts; ++i) {
+        Multiply(a + i * a_size, b + i * b_size, c + i * c_size, m, n);
+      }
+      return;
+    }
     const int64_t extent = by_rows ? m : n;
     const int64_t lo = extent * p / parts, hi = extent * (p + 1) / parts;
     if (hi <= lo) return;
-    const float* a_block = a;
-    const float* b_block = b;
-    float* c_block = c;
-    int64_t rows = m, cols = n;
     if (by_rows) {  // rows of op(A): A's columns when A is transposed
-      a_block += trans_a ? lo : lo * lda;
-      c_block += lo * n;
-      rows = hi - lo;
+      Multiply(a + (trans_a ? lo : lo * lda), b, c + lo * n, hi - lo, n);
     } else {  // columns of op(B): B's rows when B is transposed
-      b_block += trans_b ? lo * ldb : lo;
-      c_block += lo;
-      cols = hi - lo;
+      Multiply(a, b + (trans_b ? lo * ldb : lo), c + lo, m, hi - lo);
     }
-    sgemm(kRowMajor, trans_a ? kTrans : kNoTrans, trans_b ? kTrans : kNoTrans,
-          static_cast<int>(rows), static_cast<int>(cols), static_cast<int>(k), 1.0f, a_block,
-          static_cast<int>(lda), b_block, static_cast<int>(ldb), 0.0f, c_block,
-          static_cast<int>(n));
   }
 
   void RunUnlessTaken(int p) {
@@ -76,6 +78,7 @@ struct Job {
   }
 };
 
+// Operands [batch, ., .] (or 2-D, a batch of one); C = [batch, m, n].
 ffi::Error Gemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b,
                 ffi::ResultBuffer<ffi::F32> c, bool trans_a, bool trans_b) {
   const Sgemm sgemm = g_sgemm.load();
@@ -83,18 +86,22 @@ ffi::Error Gemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::
     return ffi::Error::Internal("tx_jax cpu_gemm: no sgemm was registered");
   }
   const auto a_dims = a.dimensions(), b_dims = b.dimensions(), c_dims = c->dimensions();
-  if (a_dims.size() != 2 || b_dims.size() != 2 || c_dims.size() != 2) {
-    return ffi::Error::InvalidArgument("tx_jax cpu_gemm: operands must be 2-D");
+  const size_t rank = c_dims.size();
+  if ((rank != 2 && rank != 3) || a_dims.size() != rank || b_dims.size() != rank) {
+    return ffi::Error::InvalidArgument("tx_jax cpu_gemm: operands must be 2-D or 3-D alike");
   }
-  const int64_t m = c_dims[0], n = c_dims[1], k = trans_a ? a_dims[0] : a_dims[1];
-  if ((trans_a ? a_dims[1] : a_dims[0]) != m || (trans_b ? b_dims[0] : b_dims[1]) != n ||
-      (trans_b ? b_dims[1] : b_dims[0]) != k) {
+  const size_t r = rank - 2;  // the first matrix dimension
+  const int64_t batch = rank == 3 ? c_dims[0] : 1;
+  const int64_t m = c_dims[r], n = c_dims[r + 1], k = trans_a ? a_dims[r] : a_dims[r + 1];
+  if ((rank == 3 && (a_dims[0] != batch || b_dims[0] != batch)) ||
+      (trans_a ? a_dims[r + 1] : a_dims[r]) != m || (trans_b ? b_dims[r] : b_dims[r + 1]) != n ||
+      (trans_b ? b_dims[r + 1] : b_dims[r]) != k) {
     return ffi::Error::InvalidArgument("tx_jax cpu_gemm: operand shapes do not match");
   }
-  if (m == 0 || n == 0) return ffi::Error::Success();
+  if (batch == 0 || m == 0 || n == 0) return ffi::Error::Success();
   float* out = c->typed_data();
   if (k == 0) {
-    std::fill(out, out + m * n, 0.0f);
+    std::fill(out, out + batch * m * n, 0.0f);
     return ffi::Error::Success();
   }
   auto job = std::make_shared<Job>();
@@ -102,18 +109,19 @@ ffi::Error Gemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::
   job->a = a.typed_data();
   job->b = b.typed_data();
   job->c = out;
+  job->batch = batch;
   job->m = m;
   job->n = n;
   job->k = k;
-  job->lda = a_dims[1];
-  job->ldb = b_dims[1];
+  job->lda = a_dims[r + 1];
+  job->ldb = b_dims[r + 1];
   job->trans_a = trans_a;
   job->trans_b = trans_b;
   job->by_rows = m >= n;
-  const int64_t width = job->by_rows ? m : n;
+  const int64_t width = batch > 1 ? batch : (job->by_rows ? m : n) / kMinBlockWidth;
   job->parts = static_cast<int>(std::max<int64_t>(
-      1, std::min({static_cast<int64_t>(pool.num_threads()), width / kMinBlockWidth,
-                   2 * m * n * k / kMinBlockFlops})));
+      1, std::min({static_cast<int64_t>(pool.num_threads()), width,
+                   2 * batch * m * n * k / kMinBlockFlops})));
   job->blocks.reset(new Block[job->parts]);
   for (int p = 1; p < job->parts; ++p) pool.Schedule([job, p] { job->RunUnlessTaken(p); });
   job->RunUnlessTaken(0);

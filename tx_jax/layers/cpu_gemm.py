@@ -1,9 +1,9 @@
-"""float32 projections on CPU through MKL's sgemm, called from XLA as an FFI custom call.
+"""float32 matrix products on CPU through MKL's sgemm, called from XLA as an FFI custom call.
 
 Why: XLA:CPU's dots (YNNPACK) reach 0.75-0.9 of MKL's speed at the shapes of a train step,
 and torch, which tx_jax's benchmarks compare against, uses MKL. Measured on a 2-core Xeon
 (docs/performance_xeon.md, twenty-third part): the bench config's kernel-gradient GEMMs ran
-1.27x faster through MKL, the tied output projection 1.43x, the whole step 5-7%.
+1.27x faster through MKL, the tied output projection 1.43x, the whole step ~1.15x.
 
 How:
 - `cpu_gemm.cc` is a C++ XLA FFI handler: C = op(A)·op(B), cut into row or column blocks
@@ -14,11 +14,13 @@ How:
   run sequentially, so the handler alone decides the threads.
 - `project` gives the handler autodiff (a custom VJP of three GEMMs) and sharding: under a
   mesh that splits the batch (data, fsdp) each device multiplies its own rows (`shard_map`),
-  and the kernel's gradient is summed over them.
+  and the kernel's gradient is summed over them. `linear.project` calls it.
+- `einsum` does the same for batched matrix products: attention's q·kᵀ and p·v and their
+  gradients (`attention_backends`), which YNNPACK ran at ~80 GFLOP/s at the bench shape.
 
-Where it does not apply, `linear.project` keeps XLA's dot: other dtypes, accelerators,
-tensor or sequence parallel meshes, a batch the mesh does not divide. Where MKL or a
-compiler is missing, tx_jax warns once and uses XLA's dot everywhere.
+Where it does not apply, XLA's dot stays: other dtypes, accelerators, tensor or sequence
+parallel meshes, a batch the mesh does not divide, a decoding step's few rows. Where MKL or
+a compiler is missing, tx_jax warns once and uses XLA's dot everywhere.
 `TX_JAX_CPU_GEMM=xla` turns it off; `=mkl` makes a missing MKL or compiler an error.
 """
 
@@ -37,6 +39,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +54,10 @@ TARGET = "tx_jax_cpu_gemm"
 _SOURCE = pathlib.Path(__file__).with_name("cpu_gemm.cc")
 _BATCH_AXES = ("data", "fsdp")  # tx_jax.sharding.BATCH_AXES (which imports this package)
 _MKL_THREADING_SEQUENTIAL = 1  # mkl_service.h's MKL_THREADING_SEQUENTIAL
+# Fewer rows than this per device stay with XLA's dot: a decoding step's few rows are a
+# matrix-vector product, which XLA fuses with its neighbours and the custom call cannot
+# (cached decoding at batch 1 ran 4,775 tok/s with XLA's dot, 3,380 through MKL).
+MIN_ROWS = 128
 
 log = logging.getLogger(__name__)
 
@@ -145,30 +152,33 @@ def _built_handler() -> pathlib.Path:
 
 
 def gemm(a: Array, b: Array, *, trans_a: bool = False, trans_b: bool = False) -> Array:
-  """op(a) · op(b) for 2-D float32 arrays on CPU, through MKL (the caller checks `applies`)."""
-  m = a.shape[1] if trans_a else a.shape[0]
-  n = b.shape[0] if trans_b else b.shape[1]
-  # Under vmap (a vmapped model), one call per example: the handler takes 2-D operands.
+  """op(a) · op(b) for float32 matrices, or batches of them ([batch, ., .]), through MKL."""
+  m = a.shape[-1] if trans_a else a.shape[-2]
+  n = b.shape[-2] if trans_b else b.shape[-1]
+  # Under vmap (a vmapped model), one call per example: the handler takes 2-D or 3-D operands.
   call = jax.ffi.ffi_call(
-      TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32), vmap_method="sequential"
+      TARGET, jax.ShapeDtypeStruct(a.shape[:-2] + (m, n), jnp.float32), vmap_method="sequential"
   )
   return call(a, b, trans_a=np.bool_(trans_a), trans_b=np.bool_(trans_b))
 
 
-def batch_axes(x: Array) -> tuple[str, ...] | None:
+def batch_axes(x: Array, in_dims: int) -> tuple[str, ...] | None:
   """The mesh axes that split x's leading (batch) dim; None where `project` can't apply.
 
   Under no mesh, or one of a single device: (). A tensor or sequence axis larger than 1
-  splits kernels or lengths, which a per-device GEMM does not model: None (XLA's dot).
+  splits kernels or lengths, which a per-device GEMM does not model: None (XLA's dot), as
+  for fewer than MIN_ROWS rows per device.
   """
+  rows = math.prod(x.shape[: x.ndim - in_dims])
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
-    return ()
+    return () if rows >= MIN_ROWS else None
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
   if any(size > 1 for name, size in sizes.items() if name not in _BATCH_AXES):
     return None
   split = tuple(name for name in _BATCH_AXES if sizes.get(name, 1) > 1)
-  if x.ndim < 2 or x.shape[0] % math.prod(sizes[name] for name in split):
+  devices = math.prod(sizes[name] for name in split)
+  if x.ndim < 2 or x.shape[0] % devices or rows // devices < MIN_ROWS:
     return None
   return split
 
@@ -228,3 +238,126 @@ def _project_bwd(in_dims, axes, residuals, dy):
 
 
 _project.defvjp(_project_fwd, _project_bwd)
+
+
+# ----------------------------------------------------------------------------- einsum
+
+# A contraction smaller than this in any of M, N, K, or in FLOPs, stays with XLA's dot: a
+# matrix-vector product (a decoding step's attention) fuses with its neighbours there.
+MIN_EINSUM_DIM = 16
+MIN_EINSUM_FLOPS = 1 << 20
+
+
+class _Plan(NamedTuple):
+  equation: str
+  axes: tuple[str, ...]  # mesh axes that split the shared leading (batch) letter
+
+
+def einsum(equation: str, x: Array, y: Array, *, preferred_element_type=None) -> Array:
+  """`jnp.einsum` of two operands, as MKL's GEMMs over the batch letters where that applies.
+
+  Applies to float32 on CPU when the equation is a batched matrix product (every letter
+  kept, or shared by both operands, none repeated) of at least MIN_EINSUM_DIM in each of
+  M, N and K. The operands are transposed to [batch, M, K] and [batch, K, N], or passed
+  transposed to the GEMM when they already are; under a mesh that splits the batch, the
+  leading letter of both operands and the output must be that batch. Elsewhere, jnp.einsum.
+  """
+  plan = _einsum_plan(equation, x, y)
+  if plan is None:
+    return jnp.einsum(equation, x, y, preferred_element_type=preferred_element_type)
+  return _einsum(x, y, plan)
+
+
+def _letters(equation: str) -> tuple[str, str, str] | None:
+  inputs, arrow, out = equation.replace(" ", "").partition("->")
+  x, comma, y = inputs.partition(",")
+  if not arrow or not comma or not (x + y + out).isalpha():
+    return None
+  if any(len(set(s)) != len(s) for s in (x, y, out)):
+    return None
+  if set(out) - set(x) - set(y) or set(x) - set(out) - set(y) or set(y) - set(out) - set(x):
+    return None
+  return x, y, out
+
+
+def _roles(x: str, y: str, out: str) -> tuple[str, str, str, str]:
+  batch = "".join(c for c in out if c in x and c in y)
+  m = "".join(c for c in x if c in out and c not in y)
+  n = "".join(c for c in y if c in out and c not in x)
+  k = "".join(c for c in x if c in y and c not in out)
+  return batch, m, n, k
+
+
+def _einsum_plan(equation: str, x: Array, y: Array) -> _Plan | None:
+  letters = _letters(equation)
+  if letters is None or not applies(x, y):
+    return None
+  xs, ys, out = letters
+  batch, m, n, k = _roles(xs, ys, out)
+  size = {**dict(zip(xs, x.shape)), **dict(zip(ys, y.shape))}
+  dims = [math.prod(size[c] for c in part) for part in (batch, m, n, k)]
+  if not (m and n and k) or min(dims[1:]) < MIN_EINSUM_DIM:
+    return None
+  if 2 * math.prod(dims) < MIN_EINSUM_FLOPS:
+    return None
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return _Plan(equation, ())
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  if any(s > 1 for name, s in sizes.items() if name not in _BATCH_AXES):
+    return None
+  split = tuple(name for name in _BATCH_AXES if sizes.get(name, 1) > 1)
+  if split and not (xs[0] == ys[0] == out[0] and xs[0] in batch):
+    return None
+  if split and size[xs[0]] % math.prod(sizes[name] for name in split):
+    return None
+  return _Plan(equation, split)
+
+
+def _as_matrices(operand: Array, letters: str, batch: str, first: str, second: str):
+  """operand as [batch, first, second], or as [batch, second, first] and True (transposed)."""
+  size = dict(zip(letters, operand.shape))
+  extent = lambda part: math.prod(size[c] for c in part)  # noqa: E731
+  if letters == batch + second + first:
+    return operand.reshape(extent(batch), extent(second), extent(first)), True
+  if letters != batch + first + second:
+    operand = operand.transpose([letters.index(c) for c in batch + first + second])
+  return operand.reshape(extent(batch), extent(first), extent(second)), False
+
+
+def _contract(equation: str, x: Array, y: Array) -> Array:
+  xs, ys, out = _letters(equation)
+  batch, m, n, k = _roles(xs, ys, out)
+  a, trans_a = _as_matrices(x, xs, batch, m, k)
+  b, trans_b = _as_matrices(y, ys, batch, k, n)
+  size = {**dict(zip(xs, x.shape)), **dict(zip(ys, y.shape))}
+  c = gemm(a, b, trans_a=trans_a, trans_b=trans_b)
+  c = c.reshape([size[ch] for ch in batch + m + n])
+  return c.transpose([(batch + m + n).index(ch) for ch in out])
+
+
+def _einsum_per_device(equation: str, axes: tuple[str, ...], x: Array, y: Array) -> Array:
+  rows = PartitionSpec(axes)
+  fn = functools.partial(_contract, equation)
+  return _per_device(fn, axes, (rows, rows), rows)(x, y)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _einsum(x, y, plan):
+  return _einsum_per_device(plan.equation, plan.axes, x, y)
+
+
+def _einsum_fwd(x, y, plan):
+  return _einsum_per_device(plan.equation, plan.axes, x, y), (x, y)
+
+
+def _einsum_bwd(plan, residuals, dout):
+  """dx = dout ⋅ y and dy = x ⋅ dout over the letters each lacks: two more contractions."""
+  x, y = residuals
+  xs, ys, out = _letters(plan.equation)
+  dx = _einsum_per_device(f"{out},{ys}->{xs}", plan.axes, dout, y)
+  dy = _einsum_per_device(f"{xs},{out}->{ys}", plan.axes, x, dout)
+  return dx, dy
+
+
+_einsum.defvjp(_einsum_fwd, _einsum_bwd)

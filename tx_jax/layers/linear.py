@@ -111,7 +111,7 @@ def project(x: Array, kernel: Array, in_dims: int, preferred_element_type=None) 
   float32 on CPU goes through MKL instead where it can (`cpu_gemm`, which says why).
   """
   if cpu_gemm.applies(x, kernel):
-    axes = cpu_gemm.batch_axes(x)
+    axes = cpu_gemm.batch_axes(x, in_dims)
     if axes is not None:
       return cpu_gemm.project(x, kernel, in_dims, axes)
   in_size = int(np.prod(kernel.shape[:in_dims]))
