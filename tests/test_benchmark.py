@@ -65,9 +65,10 @@ def test_matmul_peak_records_one_flop_rate_per_call_against_a_numpy_product():
   peak()
   peak()
   assert len(peak.flops) == 2 and min(peak.flops) > 0
-  torch_peak = common.MatmulPeak("torch", 64)
-  torch_peak()
-  assert len(torch_peak.flops) == 1
+  for framework in ("xla", "torch"):  # XLA's own dot beside tx_jax's product; torch's
+    other = common.MatmulPeak(framework, 64)
+    other()
+    assert len(other.flops) == 1 and other.flops[0] > 0
   with pytest.raises(ValueError, match="framework='tf'"):
     common.MatmulPeak("tf", 64)
 
@@ -140,6 +141,7 @@ def test_smoke_run_writes_every_section_and_the_names_scripts_rely_on(tmp_path, 
       "torch_compile_tokens_per_sec",
       "mfu",
       "matmul_peak_flops",
+      "xla_matmul_peak_flops",
   ):
     assert key in report["train"], key
   assert report["train"]["step_tokens_per_sec"] > 0 and report["train"]["mfu"] > 0
@@ -171,6 +173,7 @@ def test_smoke_run_writes_every_section_and_the_names_scripts_rely_on(tmp_path, 
     assert report[section]["ratios"]["step_over_other_devices"] > 0
     for gemm in report[section]["gemms"]:
       assert gemm["one_core"]["shape"] == gemm["shape"] and gemm["one_core"]["cpus"] == 1
+      assert min(gemm[f"{fw}_flops"] for fw in ("jax", "xla", "torch")) > 0
 
 
 @pytest.mark.slow

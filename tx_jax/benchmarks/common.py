@@ -175,11 +175,16 @@ def gemm_callable(framework: str, m: int, k: int, n: int) -> Callable[[], Any]:
 
   rng = np.random.default_rng(0)
   a, b = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
-  if framework == "jax":
+  if framework in ("jax", "xla"):
     import jax  # pylint: disable=g-import-not-at-top
     import jax.numpy as jnp
 
-    a, b, matmul = jnp.asarray(a), jnp.asarray(b), jax.jit(jnp.matmul)
+    from tx_jax.layers import linear  # pylint: disable=g-import-not-at-top
+
+    # 'jax': the product tx_jax's models run (linear.project: MKL's GEMM on CPU where it
+    # applies, tx_jax/layers/cpu_gemm.py); 'xla': XLA's own dot.
+    fn = (lambda a, b: linear.project(a, b, 1)) if framework == "jax" else jnp.matmul
+    a, b, matmul = jnp.asarray(a), jnp.asarray(b), jax.jit(fn)
     gemm = lambda: matmul(a, b).block_until_ready()  # noqa: E731
   elif framework == "torch":
     import torch  # pylint: disable=g-import-not-at-top
@@ -187,20 +192,22 @@ def gemm_callable(framework: str, m: int, k: int, n: int) -> Callable[[], Any]:
     a, b = torch.from_numpy(a), torch.from_numpy(b)
     gemm = lambda: a @ b  # noqa: E731
   else:
-    raise ValueError(f"framework={framework!r}; accepted: 'jax', 'torch'")
+    raise ValueError(f"framework={framework!r}; accepted: 'jax', 'xla', 'torch'")
   gemm()
   return gemm
 
 
 def gemm_times(m: int, k: int, n: int, rounds: int) -> dict:
-  """One [m, k] @ [k, n] fp32 GEMM in XLA and in torch, interleaved: the ceiling of a step."""
-  times, _ = interleaved({fw: gemm_callable(fw, m, k, n) for fw in ("jax", "torch")}, rounds)
+  """One [m, k] @ [k, n] fp32 GEMM as tx_jax runs it, in XLA and in torch, interleaved: the
+  ceiling of a step."""
+  frameworks = ("jax", "xla", "torch")
+  times, _ = interleaved({fw: gemm_callable(fw, m, k, n) for fw in frameworks}, rounds)
   flops = 2.0 * m * k * n
   return {
       "shape": [m, k, n],
-      "jax_flops": flops / median(times["jax"]),
-      "torch_flops": flops / median(times["torch"]),
+      **{f"{fw}_flops": flops / median(times[fw]) for fw in frameworks},
       "jax_over_torch": median(times["torch"]) / median(times["jax"]),
+      "xla_over_torch": median(times["torch"]) / median(times["xla"]),
   }
 
 

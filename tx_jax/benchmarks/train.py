@@ -156,7 +156,9 @@ def compare(shape: Shape, options: Options, *, minimal_torch: bool, torch_compil
         models.torch_step(gpt, shape, models.minimal_loss, False)
     )
   # The matmul peak of each framework is timed in every round too (MFU per round, below).
-  peaks = {fw: common.MatmulPeak(fw, PEAK_SIZE) for fw in ("jax", "torch")}
+  # jax: the product tx_jax's models run (MKL's GEMM on CPU), which the MFU divides by;
+  # xla: XLA's own dot, recorded beside it.
+  peaks = {fw: common.MatmulPeak(fw, PEAK_SIZE) for fw in ("jax", "xla", "torch")}
   timer = common.Rounds({**runners, **{f"{fw}_matmul_peak": peak for fw, peak in peaks.items()}})
   timer.warm()
   # The trainer's first windows grow the heap for its own executables (tx_jax.host_memory):
@@ -209,6 +211,7 @@ def compare(shape: Shape, options: Options, *, minimal_torch: bool, torch_compil
       flops_per_token=flops,
       matmul_peak_flops=common.median(jax_peaks),
       matmul_peak_flops_all=jax_peaks,
+      xla_matmul_peak_flops=common.median(peaks["xla"].flops[-len(windows) :]),
       torch_matmul_peak_flops=common.median(torch_peaks),
       torch_matmul_peak_flops_all=torch_peaks,
       mfu=mfu(result["trainer_windows_tokens_per_sec"], jax_peaks),
