@@ -3,7 +3,7 @@
 Why: XLA:CPU's dots (YNNPACK) reach 0.75-0.9 of MKL's speed at the shapes of a train step,
 and torch, which tx_jax's benchmarks compare against, uses MKL. Measured on a 2-core Xeon
 (docs/performance_xeon.md, twenty-third part): the bench config's kernel-gradient GEMMs ran
-1.27x faster through MKL, the tied output projection 1.43x, the whole step ~1.15x.
+1.27x faster through MKL, the tied output projection 1.43x, the whole step 1.2x.
 
 How:
 - `cpu_gemm.cc` is a C++ XLA FFI handler: C = op(A)·op(B), cut into row or column blocks
