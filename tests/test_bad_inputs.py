@@ -100,6 +100,8 @@ CASES = [
          ["--config=configs/gpt.py:tiny-shakespeare", "--workdir={ROOT}/new",
           "--config.data.tfds_data_dir={ROOT}/tfds"], 2, "TX_JAX_DATA_DIR", "data.manual_dir",
          env={"TX_JAX_DATA_DIR": "{ROOT}/empty_data_dir"}),
+    case("unknown CPU GEMM setting", "train", _T, 2, "TX_JAX_CPU_GEMM='blas'",
+         "auto, mkl, xla", env={"TX_JAX_CPU_GEMM": "blas"}),
     case("Multi30k without its vocabulary", "train", ["--config=configs/transformer.py:multi30k",
          "--config.data.spm_model_path={ROOT}/absent.model"], 2, "data.spm_model_path"),
     case("GPU attention on a CPU, trained workdir", "train", [*_TR, _RUN, *_SMALL,
