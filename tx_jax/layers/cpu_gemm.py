@@ -16,7 +16,8 @@ How:
   mesh that splits the batch (data, fsdp) each device multiplies its own rows (`shard_map`),
   and the kernel's gradient is summed over them. `linear.project` calls it.
 - `einsum` does the same for batched matrix products: attention's q·kᵀ and p·v and their
-  gradients (`attention_backends`), which YNNPACK ran at ~80 GFLOP/s at the bench shape.
+  gradients (`attention_backends`, `blockwise_attention`), which YNNPACK ran at ~80
+  GFLOP/s at the bench shape.
 
 Where it does not apply, XLA's dot stays: other dtypes, accelerators, tensor or sequence
 parallel meshes, a batch the mesh does not divide, a decoding step's few rows. Where MKL or
