@@ -20,6 +20,12 @@ pytestmark = pytest.mark.skipif(
 MESH_AXES = ("data", "fsdp", "sequence", "tensor")
 
 
+@pytest.fixture(autouse=True)
+def _mkl_on_any_cpu(monkeypatch):
+  """`auto` keeps XLA's dot on CPUs other than Intel's; these tests are about the MKL path."""
+  monkeypatch.setenv(cpu_gemm.ENV, "mkl")
+
+
 def _mesh(**sizes):
   shape = tuple(sizes.get(name, 1) for name in MESH_AXES)
   devices = np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape)
@@ -147,7 +153,8 @@ def test_without_a_compiler_auto_falls_back_with_a_warning_and_mkl_is_an_error(s
   if setting == "auto":
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "24.0"
-    assert "projections use XLA's dot on CPU, not MKL" in run.stderr
+    if cpu_gemm.cpu_vendor() == "GenuineIntel":  # elsewhere `auto` does not look for MKL
+      assert "projections use XLA's dot on CPU, not MKL" in run.stderr
   else:
     assert run.returncode != 0
     assert "TX_JAX_CPU_GEMM=mkl, but MKL's GEMM is unavailable" in run.stderr
@@ -226,3 +233,14 @@ def test_einsum_leaves_what_is_not_a_batched_matrix_product_to_xla(equation, x_s
   fn = jax.jit(lambda x, y: cpu_gemm.einsum(equation, x, y))
   assert cpu_gemm.TARGET not in fn.lower(x, y).as_text()
   np.testing.assert_allclose(np.asarray(fn(x, y)), np.asarray(jnp.einsum(equation, x, y)))
+
+
+@pytest.mark.parametrize("vendor, expected", [("GenuineIntel", True), ("AuthenticAMD", False)])
+def test_auto_uses_mkl_on_intel_cpus_only_and_mkl_anywhere(vendor, expected, monkeypatch):
+  monkeypatch.setattr(cpu_gemm, "cpu_vendor", lambda: vendor)
+  x, w = jnp.ones((2, 64, 6)), jnp.ones((6, 8))
+  lower = lambda: jax.jit(lambda x, w: linear.project(x, w, 1)).lower(x, w).as_text()  # noqa: E731
+  monkeypatch.setenv(cpu_gemm.ENV, "auto")
+  assert (cpu_gemm.TARGET in lower()) == expected
+  monkeypatch.setenv(cpu_gemm.ENV, "mkl")
+  assert cpu_gemm.TARGET in lower()
