@@ -154,7 +154,7 @@ def test_without_a_compiler_auto_falls_back_with_a_warning_and_mkl_is_an_error(s
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "24.0"
     if cpu_gemm.cpu_vendor() == "GenuineIntel":  # elsewhere `auto` does not look for MKL
-      assert "projections use XLA's dot on CPU, not MKL" in run.stderr
+      assert "matrix products use XLA's dot on CPU, not MKL" in run.stderr
   else:
     assert run.returncode != 0
     assert "TX_JAX_CPU_GEMM=mkl, but MKL's GEMM is unavailable" in run.stderr

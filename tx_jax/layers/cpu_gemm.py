@@ -39,6 +39,7 @@ import math
 import os
 import pathlib
 import shutil
+import site
 import subprocess
 import sys
 import tempfile
@@ -112,7 +113,7 @@ def available() -> bool:
 
 @functools.cache
 def _warn_unavailable(reason: str) -> None:
-  log.warning("tx_jax: projections use XLA's dot on CPU, not MKL (%s). %s=xla hides this.",
+  log.warning("tx_jax: matrix products use XLA's dot on CPU, not MKL (%s). %s=xla hides this.",
               reason, ENV)
 
 
@@ -139,8 +140,9 @@ def _load() -> str | None:
 
 
 def _mkl_runtime() -> str | None:
-  """libmkl_rt from the `mkl` wheel, which installs it into the environment's lib/."""
-  for prefix in dict.fromkeys((sys.prefix, sys.base_prefix)):
+  """libmkl_rt from the `mkl` wheel, which installs it into the environment's lib/ (or the
+  user base's, after `pip install --user`)."""
+  for prefix in dict.fromkeys((sys.prefix, sys.base_prefix, site.getuserbase())):
     found = sorted(glob.glob(os.path.join(prefix, "lib", "libmkl_rt.so*")))
     if found:
       return found[0]
