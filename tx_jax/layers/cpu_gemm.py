@@ -192,18 +192,27 @@ def batch_axes(x: Array, in_dims: int) -> tuple[str, ...] | None:
   splits kernels or lengths, which a per-device GEMM does not model: None (XLA's dot), as
   for fewer than MIN_ROWS rows per device.
   """
+  found = _batch_split()
+  if found is None:
+    return None
+  split, devices = found
   rows = math.prod(x.shape[: x.ndim - in_dims])
+  if x.ndim < 2 or x.shape[0] % devices or rows // devices < MIN_ROWS:
+    return None
+  return split
+
+
+def _batch_split() -> tuple[tuple[str, ...], int] | None:
+  """The current mesh's axes that split the batch and their device count; ((), 1) under no
+  mesh; None when a tensor or sequence axis splits anything else."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
-    return () if rows >= MIN_ROWS else None
+    return (), 1
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
   if any(size > 1 for name, size in sizes.items() if name not in _BATCH_AXES):
     return None
   split = tuple(name for name in _BATCH_AXES if sizes.get(name, 1) > 1)
-  devices = math.prod(sizes[name] for name in split)
-  if x.ndim < 2 or x.shape[0] % devices or rows // devices < MIN_ROWS:
-    return None
-  return split
+  return split, math.prod(sizes[name] for name in split)
 
 
 def project(x: Array, kernel: Array, in_dims: int, axes: tuple[str, ...]) -> Array:
@@ -233,9 +242,7 @@ def _forward(x: Array, kernel: Array, in_dims: int, axes: tuple[str, ...]) -> Ar
   return _per_device(local, axes, (rows, PartitionSpec()), rows)(x, kernel)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _project(x, kernel, in_dims, axes):
-  return _forward(x, kernel, in_dims, axes)
+_project = jax.custom_vjp(_forward, nondiff_argnums=(2, 3))
 
 
 def _project_fwd(x, kernel, in_dims, axes):
@@ -323,16 +330,13 @@ def _einsum_plan(equation: str, x: Array, y: Array) -> _Plan | None:
     return None
   if 2 * math.prod(dims) < MIN_EINSUM_FLOPS:
     return None
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    return _Plan(equation, ())
-  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-  if any(s > 1 for name, s in sizes.items() if name not in _BATCH_AXES):
+  found = _batch_split()
+  if found is None:
     return None
-  split = tuple(name for name in _BATCH_AXES if sizes.get(name, 1) > 1)
+  split, devices = found
   if split and not (xs[0] == ys[0] == out[0] and xs[0] in batch):
     return None
-  if split and size[xs[0]] % math.prod(sizes[name] for name in split):
+  if size[xs[0]] % devices:
     return None
   return _Plan(equation, split)
 
@@ -359,27 +363,25 @@ def _contract(equation: str, x: Array, y: Array) -> Array:
   return c.transpose([(batch + m + n).index(ch) for ch in out])
 
 
-def _einsum_per_device(equation: str, axes: tuple[str, ...], x: Array, y: Array) -> Array:
-  rows = PartitionSpec(axes)
-  fn = functools.partial(_contract, equation)
-  return _per_device(fn, axes, (rows, rows), rows)(x, y)
+def _einsum_per_device(x: Array, y: Array, plan: _Plan) -> Array:
+  rows = PartitionSpec(plan.axes)
+  fn = functools.partial(_contract, plan.equation)
+  return _per_device(fn, plan.axes, (rows, rows), rows)(x, y)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _einsum(x, y, plan):
-  return _einsum_per_device(plan.equation, plan.axes, x, y)
+_einsum = jax.custom_vjp(_einsum_per_device, nondiff_argnums=(2,))
 
 
 def _einsum_fwd(x, y, plan):
-  return _einsum_per_device(plan.equation, plan.axes, x, y), (x, y)
+  return _einsum_per_device(x, y, plan), (x, y)
 
 
 def _einsum_bwd(plan, residuals, dout):
   """dx = dout ⋅ y and dy = x ⋅ dout over the letters each lacks: two more contractions."""
   x, y = residuals
   xs, ys, out = _letters(plan.equation)
-  dx = _einsum_per_device(f"{out},{ys}->{xs}", plan.axes, dout, y)
-  dy = _einsum_per_device(f"{xs},{out}->{ys}", plan.axes, x, dout)
+  dx = _einsum_per_device(dout, y, _Plan(f"{out},{ys}->{xs}", plan.axes))
+  dy = _einsum_per_device(x, dout, _Plan(f"{xs},{out}->{ys}", plan.axes))
   return dx, dy
 
 
