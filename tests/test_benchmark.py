@@ -152,8 +152,16 @@ def test_smoke_run_writes_every_section_and_the_names_scripts_rely_on(tmp_path, 
   assert min(peaks) > 0
   per_round = [t * train["flops_per_token"] / p for t, p in zip(windows, peaks)]
   assert train["mfu"] == pytest.approx(statistics.median(per_round))
-  for key in ("loop_overhead", "loop_overhead_paired", "trainer_thread_cpu_ms_per_step"):
+  for key in (
+      "loop_overhead",
+      "loop_overhead_paired",
+      "loop_overhead_round_paired",
+      "trainer_thread_cpu_ms_per_step",
+  ):
     assert isinstance(report["train"][key], float), key
+  # The loop phase after the rounds: its own pairs of a trainer window and a bare step.
+  assert train["loop_pairs"] == len(train["loop_overhead_paired_all"]) == 2
+  assert len(train["loop_overhead_round_paired_all"]) == len(windows)
   # The step and the trainer run on the device count the probe found faster.
   probe = {int(n): ms for n, ms in train["cpu_devices_probe_ms"].items()}
   assert set(probe) == {1, 2} and train["cpu_devices"] == min(probe, key=probe.get)

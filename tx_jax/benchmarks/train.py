@@ -7,7 +7,9 @@ trainer (`tx_jax.train.loop.train_and_evaluate`, Tiny Shakespeare through the da
 pipeline) drives the rounds: one after each of its log windows. tx_jax runs on 1 or 2
 CPU devices (config.mesh.cpu_devices; 2 form an fsdp axis for the bench config, a data
 axis for `small`), whichever a probe in the same process finds faster; the same step on
-the other count is a contestant too, to show what the choice buys.
+the other count is a contestant too, to show what the choice buys. After the rounds, a loop
+phase pairs more trainer windows each with one call of the bare step alone:
+`loop_overhead_paired`, the loop's own cost.
 MFU = model FLOPs (the dry run's formula) / the fp32 matmul peak timed in the same rounds
 (round by round, then the median), for each framework against its own peak.
 """
@@ -25,6 +27,10 @@ from tx_jax.benchmarks.common import Options, Shape
 CALL_SECONDS = 1.0  # target duration of one timed call of a runner
 PEAK_SIZE = 1024  # square fp32 GEMM whose FLOP/s is "the matmul peak"
 PROBE_ROUNDS = 3  # alternating runs per CPU device count when choosing one
+# The loop's cost is measured in its own phase after the rounds: trainer windows alternating
+# with a call of the bare step alone, LOOP_SECONDS in all, between MIN_ and MAX_LOOP_PAIRS.
+LOOP_SECONDS = 60.0
+MIN_LOOP_PAIRS, MAX_LOOP_PAIRS = 8, 24
 
 
 def flops_per_token(config) -> float:
@@ -165,9 +171,23 @@ def compare(shape: Shape, options: Options, *, minimal_torch: bool, torch_compil
   # they and the rounds after them are recorded but left out of the medians.
   warmup = 0 if options.smoke else common.WARMUP_ROUNDS
   log_every = calls  # a trainer window and a call of the bare step run as many steps
+  # After the rounds, the loop phase: each window is followed by one call of the bare step
+  # alone. Its first pair is dropped: that window ran right after the last round's torch.
+  loop_pairs = round(LOOP_SECONDS / (2 * calls * step_seconds))
+  loop_pairs = 2 if options.smoke else max(MIN_LOOP_PAIRS, min(MAX_LOOP_PAIRS, loop_pairs))
+  round_windows = warmup + options.rounds
+  loop_step_wall: list[float] = []
+
+  def after_log(_) -> None:
+    if len(timer.wall["step"]) < round_windows:
+      timer.round()
+    else:
+      loop_step_wall.append(common.seconds(runners["step"]))
+
   windows = trainer_windows(
-      config, (warmup + options.rounds) * log_every, log_every, lambda _: timer.round()
+      config, (round_windows + 1 + loop_pairs) * log_every, log_every, after_log
   )
+  loop_windows, windows = windows[round_windows + 1 :], windows[:round_windows]
   wall = {name: w[warmup:] for name, w in timer.wall.items()}
   cores = {name: c[warmup:] for name, c in timer.cores.items()}
   tokens = shape.tokens * calls
@@ -191,12 +211,21 @@ def compare(shape: Shape, options: Options, *, minimal_torch: bool, torch_compil
       [w["thread_cpu_ms_per_step"] for w in windows]
   )
   result["loop_overhead"] = 1.0 - result["tokens_per_sec"] / result["step_tokens_per_sec"]
-  # Paired by round (window i, then the bare step's round i): drift cancels within a pair.
-  paired = [
-      1.0 - (w["tokens_per_sec"] * wall_s / tokens) for w, wall_s in zip(windows, wall["step"])
-  ]
-  result["loop_overhead_paired"] = common.median(paired)
-  result["loop_overhead_paired_all"] = paired
+
+  def paired(trainer: list[dict], step_wall: list[float]) -> list[float]:
+    """1 - trainer / bare step within each pair: the machine's drift cancels in a pair."""
+    return [1.0 - w["tokens_per_sec"] * s / tokens for w, s in zip(trainer, step_wall)]
+
+  # Window i with the bare step's call right after it. In the rounds a window starts right
+  # after torch's contestants, and such windows ran up to 6 points slower than windows after
+  # the bare step alone (docs/performance.md, "The loop's own cost"): a cost of sharing the
+  # process with torch, not of the loop. The loop phase, where the two alternate with
+  # nothing between them, gives loop_overhead_paired; the rounds' pairs are kept beside it.
+  result["loop_overhead_round_paired_all"] = paired(windows, wall["step"])
+  result["loop_overhead_round_paired"] = common.median(result["loop_overhead_round_paired_all"])
+  result["loop_overhead_paired_all"] = paired(loop_windows, loop_step_wall[1:])
+  result["loop_overhead_paired"] = common.median(result["loop_overhead_paired_all"])
+  result["loop_pairs"] = len(result["loop_overhead_paired_all"])
 
   # MFU per round: that round's tokens/s over that round's peak, then the median. The
   # trainer's window i and round i's peak ran within seconds of each other.
