@@ -173,8 +173,8 @@ def compare(shape: Shape, options: Options, *, minimal_torch: bool, torch_compil
   log_every = calls  # a trainer window and a call of the bare step run as many steps
   # After the rounds, the loop phase: each window is followed by one call of the bare step
   # alone. Its first pair is dropped: that window ran right after the last round's torch.
-  loop_pairs = round(LOOP_SECONDS / (2 * calls * step_seconds))
-  loop_pairs = 2 if options.smoke else max(MIN_LOOP_PAIRS, min(MAX_LOOP_PAIRS, loop_pairs))
+  fitting = round(LOOP_SECONDS / (2 * calls * step_seconds))
+  loop_pairs = 2 if options.smoke else max(MIN_LOOP_PAIRS, min(MAX_LOOP_PAIRS, fitting))
   round_windows = warmup + options.rounds
   loop_step_wall: list[float] = []
 
@@ -218,7 +218,7 @@ def compare(shape: Shape, options: Options, *, minimal_torch: bool, torch_compil
 
   # Window i with the bare step's call right after it. In the rounds a window starts right
   # after torch's contestants, and such windows ran up to 6 points slower than windows after
-  # the bare step alone (docs/performance.md, "The loop's own cost"): a cost of sharing the
+  # the bare step alone (docs/performance_xeon.md, twenty-fourth part): a cost of sharing the
   # process with torch, not of the loop. The loop phase, where the two alternate with
   # nothing between them, gives loop_overhead_paired; the rounds' pairs are kept beside it.
   result["loop_overhead_round_paired_all"] = paired(windows, wall["step"])
