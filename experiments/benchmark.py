@@ -18,7 +18,9 @@ _OUT = flags.DEFINE_string("out", "bench_out", "Directory for benchmark.json and
 _ONLY = flags.DEFINE_multi_string("only", [], "Section(s) to run (repeat or comma-separate).")
 _PRESET = flags.DEFINE_enum("preset", "cpu", ["cpu", "h200"], "cpu comparisons or h200 GPU.")
 _SMOKE = flags.DEFINE_bool("smoke", False, "Toy sizes: checks the code path in seconds.")
-_ROUNDS = flags.DEFINE_integer("rounds", 5, "Interleaved timing rounds (medians reported).")
+_ROUNDS = flags.DEFINE_integer(
+    "rounds", 5, "Interleaved timing rounds (medians reported).", lower_bound=1
+)
 _DATA_DIR = flags.DEFINE_string(
     "data_dir",
     os.environ.get("TX_JAX_DATA_DIR", "../shared/data"),

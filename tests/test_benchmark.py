@@ -115,6 +115,31 @@ def test_unknown_section_is_an_error_naming_it(tmp_path):
     runner.run(tmp_path, [], common.Options(preset="a100"))
 
 
+@pytest.mark.parametrize(
+    "args, names",
+    [
+        # Zero rounds would run every section and take medians of nothing.
+        (["--rounds=0"], "--rounds"),
+        # Checked before any section: otherwise each data section would fail in turn.
+        (["--only=attention,small", "--data_dir={tmp}/nowhere"], "--data_dir="),
+    ],
+)
+def test_bad_flag_is_one_error_line_before_any_section_runs(tmp_path, args, names):
+  args = [a.format(tmp=tmp_path) for a in args]
+  proc = subprocess.run(
+      [sys.executable, "-m", "experiments.benchmark", "--out", str(tmp_path / "b"), *args],
+      cwd=REPO,
+      env=runs.env(TFDS_DATA_DIR=str(tmp_path / "tfds")),  # nothing prepared
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr[-3000:]
+  assert proc.stderr.startswith("error: ") and names in proc.stderr, proc.stderr
+  assert not (tmp_path / "b").exists()
+
+
 def _run_benchmark(out: pathlib.Path, data_dir: pathlib.Path, *args: str) -> dict:
   proc = subprocess.run(
       [sys.executable, "-m", "experiments.benchmark", "--smoke", "--out", str(out), "--data_dir", str(data_dir), *args],

@@ -37,6 +37,22 @@ def _sections(preset: str) -> dict[str, tuple[Callable, Callable]]:
 
 SECTIONS = ("train", "small", "time_to_loss", "attention", "decode", "data", "compile")
 PRESETS = ("cpu", "h200")
+DATA_SECTIONS = ("train", "small", "time_to_loss", "data")  # read Tiny Shakespeare
+
+
+def check_data(options: Options) -> None:
+  """Finds Tiny Shakespeare (preparing it from options.data_dir if TFDS has not) before any
+  section runs, so that a wrong --data_dir is one error at the start, not a failed section
+  after minutes of others."""
+  from tx_jax import data  # pylint: disable=g-import-not-at-top
+  from tx_jax.benchmarks import models  # pylint: disable=g-import-not-at-top
+  from tx_jax.data import sources  # pylint: disable=g-import-not-at-top
+
+  data_config = models.jax_config(common.SMOKE, options.data_dir).data
+  try:
+    data.build_source(data_config, data_config.train_split)
+  except sources.MissingDataError as e:
+    raise sources.MissingDataError(f"--data_dir={options.data_dir}: {e}") from e
 
 
 def run(out_dir: str | pathlib.Path, only: list[str], options: Options) -> dict:
@@ -63,6 +79,8 @@ def run(out_dir: str | pathlib.Path, only: list[str], options: Options) -> dict:
     from tx_jax import sharding  # pylint: disable=g-import-not-at-top
 
     sharding.use_cpu_devices(ml_collections.ConfigDict({"cpu_devices": gpt.CPU_DEVICES}))
+    if any(name in DATA_SECTIONS for name in only or sections):
+      check_data(options)
   # Compiles are part of what is measured (`compile`, `time_to_loss`): never from a cache
   # that the environment (JAX_COMPILATION_CACHE_DIR) may name. --smoke times nothing, so
   # there such a cache (the test session's) may serve the programs that sections share.
