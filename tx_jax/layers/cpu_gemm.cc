@@ -7,6 +7,9 @@
 // starting a second thread pool beside it. A block no pool thread has started when the
 // calling thread finishes its own is run by the calling thread: the handler never waits on a
 // queue, so it cannot deadlock when every pool thread is inside such a handler.
+//
+// Two handlers: TxJaxCpuGemm for contiguous [batch, ., .] operands, and TxJaxCpuStridedGemm
+// for matrices anywhere in their buffers (`View`), which attention reads in place.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -34,40 +37,62 @@ struct Block {
   std::atomic<bool> done{false};
 };
 
+// Where one operand's matrices lie in its buffer: matrix i = (i0, i1, i2) of the batch starts
+// at offset + Σ i_j·stride[j] (a stride of 0 repeats one matrix along that batch dim), its
+// rows are ld apart and its columns adjacent. trans: the stored matrix is op(X)ᵀ.
+struct View {
+  int64_t offset = 0;
+  int64_t stride[3] = {0, 0, 0};
+  int64_t ld = 0;
+  bool trans = false;
+
+  int64_t At(const int64_t index[3]) const {
+    return offset + index[0] * stride[0] + index[1] * stride[1] + index[2] * stride[2];
+  }
+};
+
 // A batch of GEMMs C[i] = op(A[i]) · op(B[i]), cut into `parts` blocks: of the batch when
-// there is one, else of C's rows (by_rows) or columns. Shared with pool tasks that may start
-// after the handler has returned.
+// there is more than one matrix, else of C's rows (by_rows) or columns. Shared with pool
+// tasks that may start after the handler has returned.
 struct Job {
   Sgemm sgemm;
   const float* a;
   const float* b;
   float* c;
-  int64_t batch, m, n, k, lda, ldb;
-  bool trans_a, trans_b, by_rows;
+  int64_t batch[3] = {1, 1, 1};
+  int64_t m, n, k;
+  View va, vb, vc;
+  bool by_rows;
   int parts;
   std::unique_ptr<Block[]> blocks;
 
-  void Multiply(const float* a_i, const float* b_i, float* c_i, int64_t rows, int64_t cols) const {
-    sgemm(kRowMajor, trans_a ? kTrans : kNoTrans, trans_b ? kTrans : kNoTrans,
+  int64_t Count() const { return batch[0] * batch[1] * batch[2]; }
+
+  // Rows [row0, row0 + rows) and columns [col0, col0 + cols) of C[i].
+  void Multiply(int64_t i, int64_t row0, int64_t rows, int64_t col0, int64_t cols) const {
+    const int64_t index[3] = {i / (batch[1] * batch[2]), i / batch[2] % batch[1], i % batch[2]};
+    const float* a_i = a + va.At(index) + (va.trans ? row0 : row0 * va.ld);
+    const float* b_i = b + vb.At(index) + (vb.trans ? col0 * vb.ld : col0);
+    float* c_i = c + vc.At(index) + row0 * vc.ld + col0;
+    sgemm(kRowMajor, va.trans ? kTrans : kNoTrans, vb.trans ? kTrans : kNoTrans,
           static_cast<int>(rows), static_cast<int>(cols), static_cast<int>(k), 1.0f, a_i,
-          static_cast<int>(lda), b_i, static_cast<int>(ldb), 0.0f, c_i, static_cast<int>(n));
+          static_cast<int>(va.ld), b_i, static_cast<int>(vb.ld), 0.0f, c_i,
+          static_cast<int>(vc.ld));
   }
 
   void Run(int p) const {
-    const int64_t a_size = m * k, b_size = k * n, c_size = m * n;
-    if (batch > 1) {
-      for (int64_t i = batch * p / parts; i < batch * (p + 1) / parts; ++i) {
-        Multiply(a + i * a_size, b + i * b_size, c + i * c_size, m, n);
-      }
+    const int64_t count = Count();
+    if (count > 1) {
+      for (int64_t i = count * p / parts; i < count * (p + 1) / parts; ++i) Multiply(i, 0, m, 0, n);
       return;
     }
     const int64_t extent = by_rows ? m : n;
     const int64_t lo = extent * p / parts, hi = extent * (p + 1) / parts;
     if (hi <= lo) return;
-    if (by_rows) {  // rows of op(A): A's columns when A is transposed
-      Multiply(a + (trans_a ? lo : lo * lda), b, c + lo * n, hi - lo, n);
-    } else {  // columns of op(B): B's rows when B is transposed
-      Multiply(a, b + (trans_b ? lo * ldb : lo), c + lo, m, hi - lo);
+    if (by_rows) {
+      Multiply(0, lo, hi - lo, 0, n);
+    } else {
+      Multiply(0, 0, m, lo, hi - lo);
     }
   }
 
@@ -77,6 +102,23 @@ struct Job {
     blocks[p].done.store(true, std::memory_order_release);
   }
 };
+
+// Runs the job's blocks on the calling thread and XLA's pool, and returns when all are done.
+void Execute(ffi::ThreadPool& pool, std::shared_ptr<Job> job) {
+  const int64_t count = job->Count();
+  job->by_rows = job->m >= job->n;
+  const int64_t width = count > 1 ? count : (job->by_rows ? job->m : job->n) / kMinBlockWidth;
+  job->parts = static_cast<int>(std::max<int64_t>(
+      1, std::min({static_cast<int64_t>(pool.num_threads()), width,
+                   2 * count * job->m * job->n * job->k / kMinBlockFlops})));
+  job->blocks.reset(new Block[job->parts]);
+  for (int p = 1; p < job->parts; ++p) pool.Schedule([job, p] { job->RunUnlessTaken(p); });
+  job->RunUnlessTaken(0);
+  for (int p = 1; p < job->parts; ++p) job->RunUnlessTaken(p);
+  for (int p = 1; p < job->parts; ++p) {
+    while (!job->blocks[p].done.load(std::memory_order_acquire)) std::this_thread::yield();
+  }
+}
 
 // Operands [batch, ., .] (or 2-D, a batch of one); C = [batch, m, n].
 ffi::Error Gemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b,
@@ -109,26 +151,64 @@ ffi::Error Gemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::
   job->a = a.typed_data();
   job->b = b.typed_data();
   job->c = out;
-  job->batch = batch;
+  job->batch[0] = batch;
   job->m = m;
   job->n = n;
   job->k = k;
-  job->lda = a_dims[r + 1];
-  job->ldb = b_dims[r + 1];
-  job->trans_a = trans_a;
-  job->trans_b = trans_b;
-  job->by_rows = m >= n;
-  const int64_t width = batch > 1 ? batch : (job->by_rows ? m : n) / kMinBlockWidth;
-  job->parts = static_cast<int>(std::max<int64_t>(
-      1, std::min({static_cast<int64_t>(pool.num_threads()), width,
-                   2 * batch * m * n * k / kMinBlockFlops})));
-  job->blocks.reset(new Block[job->parts]);
-  for (int p = 1; p < job->parts; ++p) pool.Schedule([job, p] { job->RunUnlessTaken(p); });
-  job->RunUnlessTaken(0);
-  for (int p = 1; p < job->parts; ++p) job->RunUnlessTaken(p);
-  for (int p = 1; p < job->parts; ++p) {
-    while (!job->blocks[p].done.load(std::memory_order_acquire)) std::this_thread::yield();
+  job->va = View{0, {m * k, 0, 0}, a_dims[r + 1], trans_a};
+  job->vb = View{0, {k * n, 0, 0}, b_dims[r + 1], trans_b};
+  job->vc = View{0, {m * n, 0, 0}, n, false};
+  Execute(pool, std::move(job));
+  return ffi::Error::Success();
+}
+
+// view = [offset, stride0, stride1, stride2, ld, trans]; false where it reaches outside a
+// buffer of `size` elements for a stored matrix of rows x cols per batch entry.
+bool ReadView(ffi::Span<const int64_t> attr, const int64_t batch[3], int64_t rows, int64_t cols,
+              int64_t size, View* view) {
+  if (attr.size() != 6) return false;
+  *view = View{attr[0], {attr[1], attr[2], attr[3]}, attr[4], attr[5] != 0};
+  if (view->trans) std::swap(rows, cols);
+  int64_t last = view->offset + (rows - 1) * view->ld + cols;
+  for (int j = 0; j < 3; ++j) {
+    if (view->stride[j] < 0) return false;
+    last += (batch[j] - 1) * view->stride[j];
   }
+  return view->offset >= 0 && view->ld >= std::max<int64_t>(cols, 1) && last <= size;
+}
+
+// C[i0, i1, i2] = op(A[i0, i1, i2]) · op(B[i0, i1, i2]) for matrices that lie anywhere in
+// their buffers (`View`): a slice, a transposed or interleaved layout, read in place. shape =
+// [batch0, batch1, batch2, m, n, k]; C's views must cover its buffer.
+ffi::Error StridedGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b,
+                       ffi::ResultBuffer<ffi::F32> c, ffi::Span<const int64_t> shape,
+                       ffi::Span<const int64_t> a_view, ffi::Span<const int64_t> b_view,
+                       ffi::Span<const int64_t> c_view) {
+  const Sgemm sgemm = g_sgemm.load();
+  if (sgemm == nullptr) {
+    return ffi::Error::Internal("tx_jax cpu_gemm: no sgemm was registered");
+  }
+  if (shape.size() != 6) {
+    return ffi::Error::InvalidArgument("tx_jax cpu_gemm: shape is [b0, b1, b2, m, n, k]");
+  }
+  auto job = std::make_shared<Job>();
+  for (int j = 0; j < 3; ++j) job->batch[j] = shape[j];
+  job->m = shape[3];
+  job->n = shape[4];
+  job->k = shape[5];
+  const int64_t count = job->Count(), c_size = static_cast<int64_t>(c->element_count());
+  if (count <= 0 || job->m <= 0 || job->n <= 0 || job->k <= 0 ||
+      count * job->m * job->n != c_size ||
+      !ReadView(a_view, job->batch, job->m, job->k, a.element_count(), &job->va) ||
+      !ReadView(b_view, job->batch, job->k, job->n, b.element_count(), &job->vb) ||
+      !ReadView(c_view, job->batch, job->m, job->n, c_size, &job->vc) || job->vc.trans) {
+    return ffi::Error::InvalidArgument("tx_jax cpu_gemm: a view lies outside its buffer");
+  }
+  job->sgemm = sgemm;
+  job->a = a.typed_data();
+  job->b = b.typed_data();
+  job->c = c->typed_data();
+  Execute(pool, std::move(job));
   return ffi::Error::Success();
 }
 
@@ -142,6 +222,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TxJaxCpuGemm, Gemm,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("trans_a")
                                   .Attr<bool>("trans_b"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TxJaxCpuStridedGemm, StridedGemm,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<ffi::Span<const int64_t>>("shape")
+                                  .Attr<ffi::Span<const int64_t>>("a_view")
+                                  .Attr<ffi::Span<const int64_t>>("b_view")
+                                  .Attr<ffi::Span<const int64_t>>("c_view"));
 
 extern "C" void tx_jax_cpu_gemm_set_sgemm(void* sgemm) {
   g_sgemm.store(reinterpret_cast<Sgemm>(sgemm));

@@ -16,8 +16,12 @@ How:
   mesh that splits the batch (data, fsdp) each device multiplies its own rows (`shard_map`),
   and the kernel's gradient is summed over them. `linear.project` calls it.
 - `einsum` does the same for batched matrix products: attention's q·kᵀ and p·v and their
-  gradients (`attention_backends`, `blockwise_attention`), which YNNPACK ran at ~80
-  GFLOP/s at the bench shape.
+  gradients (`blockwise_attention`, `dense_attention`), which YNNPACK ran at ~80 GFLOP/s
+  at the bench shape.
+- `in_place_einsum` is one batched product whose operands and result stay where they lie:
+  the handler reads each matrix through an offset, batch strides and a row stride, so a
+  query chunk of [B, T, N, H] is a window of it, not a transposed copy
+  (`chunked_attention`, `dense`'s forward and backward; no autodiff of its own).
 
 Where it does not apply, XLA's dot stays: other dtypes, accelerators, tensor or sequence
 parallel meshes, a batch the mesh does not divide, a decoding step's few rows. Where MKL or
@@ -55,6 +59,7 @@ Array = jnp.ndarray
 ENV = "TX_JAX_CPU_GEMM"
 SETTINGS = ("auto", "mkl", "xla")  # auto: MKL on Intel CPUs where it is available
 TARGET = "tx_jax_cpu_gemm"
+STRIDED_TARGET = "tx_jax_cpu_strided_gemm"
 _SOURCE = pathlib.Path(__file__).with_name("cpu_gemm.cc")
 _BATCH_AXES = ("data", "fsdp")  # tx_jax.sharding.BATCH_AXES (which imports this package)
 _MKL_THREADING_SEQUENTIAL = 1  # mkl_service.h's MKL_THREADING_SEQUENTIAL
@@ -135,6 +140,9 @@ def _load() -> str | None:
   library.tx_jax_cpu_gemm_set_sgemm.argtypes = [ctypes.c_void_p]
   library.tx_jax_cpu_gemm_set_sgemm(ctypes.cast(mkl_rt.cblas_sgemm, ctypes.c_void_p))
   jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.TxJaxCpuGemm), platform="cpu")
+  jax.ffi.register_ffi_target(
+      STRIDED_TARGET, jax.ffi.pycapsule(library.TxJaxCpuStridedGemm), platform="cpu"
+  )
   _load.libraries = (library, mkl_rt)  # kept alive with the process
   return None
 
@@ -386,3 +394,102 @@ def _einsum_bwd(plan, residuals, dout):
 
 
 _einsum.defvjp(_einsum_fwd, _einsum_bwd)
+
+
+# ----------------------------------------------------------------------------- in place
+
+
+def in_place_applies(x: Array, y: Array) -> bool:
+  """Whether `in_place_einsum` reads x and y in place through MKL (else it slices them and
+  calls jnp.einsum): float32 on CPU, MKL available, a mesh that splits at most the batch."""
+  return applies(x, y) and _batch_split() is not None
+
+
+def in_place_einsum(
+    equation: str,
+    x: Array,
+    y: Array,
+    *,
+    batch: str,
+    sizes: dict[str, int] | None = None,
+    starts: tuple[dict[str, int], dict[str, int]] | None = None,
+) -> Array:
+  """One batched matrix product over windows of x and y, read where they lie in memory.
+
+  equation: letters as jnp.einsum's; `batch` names the letters every GEMM of the batch has
+  (at most three, leading letter first; an operand without one repeats along it). The
+  others, after dropping letters of extent 1, must be one row and one column letter per
+  operand (M, K for x; K, N for y), and each operand's or the output's last letter one of
+  its two. sizes: {letter: extent} (default: the operands' extents); starts: ({letter:
+  start} for x, {letter: start} for y), the windows' corners (a query chunk, a prefix of the
+  keys). The output is a new array, laid out as its letters say. No operand or result is
+  transposed or sliced by a copy: the GEMMs read and write them in place. Where that does
+  not apply (`in_place_applies`), jnp.einsum of the windows.
+
+  Under a mesh that splits the batch, every operand's and the output's leading letter is
+  the batch, split per device (`shard_map`); windows apply to the other letters.
+  """
+  xs, ys, out = _letters(equation)
+  extent = {**dict(zip(xs, x.shape)), **dict(zip(ys, y.shape)), **(sizes or {})}
+  x_starts, y_starts = starts or ({}, {})
+  for operand, letters, corner in ((x, xs, x_starts), (y, ys, y_starts)):
+    for c, dim in zip(letters, operand.shape):
+      if not 0 <= corner.get(c, 0) <= corner.get(c, 0) + extent[c] <= dim:
+        raise ValueError(f"in_place_einsum {equation!r}: {c} window [{corner.get(c, 0)}, "
+                         f"+{extent[c]}) is outside its operand's extent {dim}")
+  if not in_place_applies(x, y):
+    return jnp.einsum(equation, _window(x, xs, extent, x_starts), _window(y, ys, extent, y_starts))
+  split, devices = _batch_split()
+  if split and not (xs[0] == ys[0] == out[0] == batch[0] and batch[0] not in (sizes or {})):
+    raise ValueError(f"in_place_einsum {equation!r}: the mesh splits the leading letter, "
+                     f"which must be the batch {batch!r} of every operand")
+  local = {**extent, batch[0]: extent[batch[0]] // devices} if split else extent
+  fn = functools.partial(_in_place, xs, ys, out, batch, local, x_starts, y_starts)
+  rows = PartitionSpec(split)
+  return _per_device(fn, split, (rows, rows), rows)(x, y)
+
+
+def _window(operand: Array, letters: str, extent: dict, starts: dict) -> Array:
+  begin = [starts.get(c, 0) for c in letters]
+  return jax.lax.slice(operand, begin, [b + extent[c] for b, c in zip(begin, letters)])
+
+
+def _in_place(xs, ys, out, batch, extent, x_starts, y_starts, x, y):
+  """The strided handler's call for one device's operands (see `in_place_einsum`)."""
+  kept = lambda letters: {c for c in letters if c not in batch and extent[c] > 1}  # noqa: E731
+  rx, ry, ro = kept(xs), kept(ys), kept(out)
+  m, n, k = rx & ro, ry & ro, rx & ry
+  if (len(batch) > 3 or set(batch) - set(out) or max(len(m), len(n), len(k)) > 1
+      or rx != m | k or ry != k | n or ro != m | n or not k):
+    raise ValueError(f"in_place_einsum: {xs},{ys}->{out} over batch {batch!r} is not one GEMM")
+  m, n, k = (next(iter(role), None) for role in (m, n, k))
+  out_shape = tuple(extent[c] for c in out)
+  c_view = _view(out, out_shape, {}, batch, m, n)
+  if c_view[-1]:
+    raise ValueError(f"in_place_einsum: {out!r} must end in its column letter {n!r}")
+  size = lambda c: 1 if c is None else extent[c]  # noqa: E731
+  shape = [extent[c] for c in batch] + [1] * (3 - len(batch)) + [size(m), size(n), size(k)]
+  call = jax.ffi.ffi_call(
+      STRIDED_TARGET, jax.ShapeDtypeStruct(out_shape, jnp.float32), vmap_method="sequential"
+  )
+  return call(
+      x,
+      y,
+      shape=np.array(shape, np.int64),
+      a_view=np.array(_view(xs, x.shape, x_starts, batch, m, k), np.int64),
+      b_view=np.array(_view(ys, y.shape, y_starts, batch, k, n), np.int64),
+      c_view=np.array(c_view, np.int64),
+  )
+
+
+def _view(letters: str, shape, starts: dict, batch: str, row: str | None, col: str | None):
+  """[offset, batch strides x3, ld, trans] of the [row, col] matrices of a row-major array."""
+  stride = {c: math.prod(shape[i + 1 :]) for i, c in enumerate(letters)}
+  offset = sum(starts.get(c, 0) * stride[c] for c in letters)
+  batch_strides = [stride.get(c, 0) for c in batch] + [0] * (3 - len(batch))
+  row_stride, col_stride = stride.get(row), stride.get(col, 1)
+  if col_stride == 1:  # rows ld apart (a lone row: ld is any width that holds it)
+    return [offset, *batch_strides, row_stride if row else max(shape[-1], 1), 0]
+  if row_stride in (1, None):
+    return [offset, *batch_strides, col_stride, 1]
+  raise ValueError(f"in_place_einsum: neither {row!r} nor {col!r} is {letters!r}'s last letter")

@@ -1,0 +1,202 @@
+"""Contractions read in place (cpu_gemm.in_place_einsum) and `dense` attention built on them
+(layers/chunked_attention.py), against numpy and against XLA's autodiff of the reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tx_jax.layers import cpu_gemm
+from tx_jax.layers.attention_backends import dense, dense_attention
+from tx_jax.layers.attention_spec import AttentionSpec
+from tx_jax.layers.positions import AlibiBias, RelativeBias, alibi_slopes
+
+pytestmark = pytest.mark.skipif(
+    cpu_gemm._load() is not None, reason=f"MKL's GEMM unavailable here: {cpu_gemm._load()}"
+)
+
+RNG = np.random.default_rng(0)
+
+
+@pytest.fixture(autouse=True)
+def _mkl_on_any_cpu(monkeypatch):
+  monkeypatch.setenv(cpu_gemm.ENV, "mkl")
+
+
+def _normal(*shape):
+  return jnp.asarray(RNG.standard_normal(shape), jnp.float32)
+
+
+def _windows_in_numpy(equation, x, y, sizes, starts):
+  xs, ys, _ = cpu_gemm._letters(equation)
+  extent = {**dict(zip(xs, x.shape)), **dict(zip(ys, y.shape)), **sizes}
+
+  def window(operand, letters, start):
+    return np.asarray(operand)[
+        tuple(slice(start.get(c, 0), start.get(c, 0) + extent[c]) for c in letters)
+    ]
+
+  return np.einsum(
+      equation, window(x, xs, starts[0]).astype(np.float64), window(y, ys, starts[1])
+  )
+
+
+# (equation, batch, x shape, y shape, sizes, starts): a query chunk against a prefix of the
+# keys; groups repeating the keys (k has no g); an operand read transposed (p's s rows are
+# its columns); a contraction over a query window written [B, S, K, G, H].
+IN_PLACE = [
+    ("btkgh,bskh->bkgts", "bkg", (2, 96, 2, 3, 16), (2, 96, 2, 16), {"t": 32, "s": 64},
+     ({"t": 32}, {})),
+    ("bkgts,bskh->btkgh", "bkg", (2, 2, 3, 32, 64), (2, 96, 2, 16), {"s": 64}, ({}, {})),
+    ("bkgts,btkgh->bskgh", "bkg", (2, 2, 3, 32, 64), (2, 96, 2, 3, 16), {"t": 32},
+     ({}, {"t": 64})),
+    ("bij,bjk->bik", "b", (3, 40, 50), (3, 50, 60), {}, ({}, {})),
+]
+
+
+@pytest.mark.parametrize("equation, batch, x_shape, y_shape, sizes, starts", IN_PLACE)
+def test_in_place_einsum_matches_numpy_and_copies_nothing(
+    equation, batch, x_shape, y_shape, sizes, starts
+):
+  x, y = _normal(*x_shape), _normal(*y_shape)
+  fn = jax.jit(
+      lambda x, y: cpu_gemm.in_place_einsum(equation, x, y, batch=batch, sizes=sizes,
+                                            starts=starts)
+  )
+  hlo = fn.lower(x, y).compile().as_text()
+  assert cpu_gemm.STRIDED_TARGET in hlo
+  # The operands go to the call as they are: no slice, transpose or copy before it.
+  ops = [line.split("=")[1].split("(")[0] for line in hlo.splitlines() if " = " in line]
+  assert not any(op.strip().split()[-1] in ("slice", "transpose", "copy", "fusion")
+                 for op in ops), ops
+  np.testing.assert_allclose(
+      np.asarray(fn(x, y)), _windows_in_numpy(equation, x, y, sizes, starts), rtol=1e-5,
+      atol=1e-4,
+  )
+
+
+def test_in_place_einsum_under_a_batch_split_mesh_runs_per_device():
+  equation, batch, x_shape, y_shape, sizes, starts = IN_PLACE[0]
+  mesh = Mesh(np.array(jax.devices()[:2]), ("data",), axis_types=(AxisType.Auto,))
+  x, y = _normal(*x_shape), _normal(*y_shape)
+  rows = NamedSharding(mesh, P("data"))
+
+  def fn(x, y):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return cpu_gemm.in_place_einsum(equation, x, y, batch=batch, sizes=sizes, starts=starts)
+
+  compiled = jax.jit(fn).lower(jax.device_put(x, rows), jax.device_put(y, rows)).compile()
+  (call,) = [line for line in compiled.as_text().splitlines() if cpu_gemm.STRIDED_TARGET in line]
+  assert "f32[1,2,3,32,64]" in call  # one example per device
+  np.testing.assert_allclose(
+      np.asarray(compiled(jax.device_put(x, rows), jax.device_put(y, rows))),
+      _windows_in_numpy(equation, x, y, sizes, starts), rtol=1e-5, atol=1e-4,
+  )
+
+
+def test_a_view_outside_its_buffer_is_refused_by_the_handler():
+  a, b = _normal(4, 8), _normal(8, 4)
+  call = jax.ffi.ffi_call(cpu_gemm.STRIDED_TARGET, jax.ShapeDtypeStruct((4, 4), jnp.float32))
+  view = lambda offset: np.array([offset, 0, 0, 0, 8, 0], np.int64)  # noqa: E731
+  shape = np.array([1, 1, 1, 4, 4, 8], np.int64)
+  c_view = np.array([0, 0, 0, 0, 4, 0], np.int64)
+  good = call(a, b, shape=shape, a_view=view(0), b_view=np.array([0, 0, 0, 0, 4, 0], np.int64),
+              c_view=c_view)
+  np.testing.assert_allclose(np.asarray(good), np.asarray(a) @ np.asarray(b), rtol=1e-5)
+  with pytest.raises(Exception, match="a view lies outside its buffer"):
+    jax.block_until_ready(call(a, b, shape=shape, a_view=view(1), b_view=view(0), c_view=c_view))
+
+
+B, T, N, H = 2, 128, 4, 32  # two causal query chunks of 64; large enough for MKL
+SCALE = 0.3
+
+
+def _segments(kind, length=T):
+  if kind == "padding":  # row 1 ends with padding: those queries see no key
+    return jnp.array([[1] * length, [1] * (length - 24) + [0] * 24], jnp.int32)
+  a, b = length // 3, 2 * length // 3
+  return jnp.array(
+      [[1] * a + [2] * (b - a) + [3] * (length - b), [1] * a + [2] * (b - a) + [0] * (length - b)],
+      jnp.int32,
+  )
+
+
+def _spec(kind):
+  table = _normal(8, N)
+  if kind == "causal":
+    return AttentionSpec.self_attention(jnp.ones((B, T), jnp.int32), causal=True)
+  if kind == "causal+packing+t5":
+    return AttentionSpec.self_attention(
+        _segments("packing"), causal=True,
+        bias=RelativeBias(table, max_distance=16, bidirectional=False),
+    )
+  if kind == "causal+alibi":
+    return AttentionSpec.self_attention(
+        jnp.ones((B, T), jnp.int32), causal=True, bias=AlibiBias(jnp.asarray(alibi_slopes(N)))
+    )
+  if kind == "padding+t5":  # one chunk: not causal
+    return AttentionSpec.self_attention(
+        _segments("padding"), causal=False, bias=RelativeBias(table, max_distance=16, bidirectional=True)
+    )
+  # cross: 96 keys; row 0's third decoder segment has no encoder segment 3
+  keys = jnp.array([[1] * 40 + [2] * 56, [1] * 30 + [2] * 50 + [0] * 16], jnp.int32)
+  return AttentionSpec.cross_attention(_segments("packing"), keys)
+
+
+def _outputs_and_gradients(spec, q, k, v, attend):
+  w = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape), jnp.float32)
+
+  def loss(q, k, v, bias):
+    return jnp.sum(attend(q, k, v, spec.replace(bias=bias), scale=SCALE) * w)
+
+  fn = jax.jit(lambda q, k, v: (attend(q, k, v, spec, scale=SCALE),
+                                jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, spec.bias)))
+  return fn.lower(q, k, v).compile().as_text(), fn(q, k, v)
+
+
+def _autodiff_reference(q, k, v, spec, *, scale):
+  return dense_attention(q, k, v, spec.mask()[:, None], spec.bias_logits(), scale=scale)
+
+
+@pytest.mark.parametrize(
+    "kind, kv_heads",
+    [("causal", N), ("causal+packing+t5", 2), ("causal+alibi", 1), ("padding+t5", N),
+     ("cross", 2)],
+)
+def test_dense_in_place_equals_xla_autodiff_of_the_reference(kind, kv_heads, monkeypatch):
+  spec = _spec(kind)
+  keys = spec.key_length
+  q, k, v = _normal(B, T, N, H), _normal(B, keys, kv_heads, H), _normal(B, keys, kv_heads, H)
+  hlo, (out, grads) = _outputs_and_gradients(spec, q, k, v, dense)
+  # Every contraction of the forward and backward is read in place (6 per query chunk).
+  chunks = 2 if kind.startswith("causal") else 1
+  assert hlo.count(f'custom_call_target="{cpu_gemm.STRIDED_TARGET}"') == 6 * chunks
+  monkeypatch.setenv(cpu_gemm.ENV, "xla")
+  _, (want_out, want_grads) = _outputs_and_gradients(spec, q, k, v, _autodiff_reference)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-5, atol=2e-5)
+  empty_BT = ~np.asarray(spec.mask()).any(-1)
+  assert empty_BT.any() == (kind != "causal" and kind != "causal+alibi")  # the case is there
+  np.testing.assert_array_equal(np.asarray(out)[empty_BT], 0.0)
+  for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+
+
+def test_dense_in_place_under_a_data_mesh_equals_one_device():
+  spec = _spec("causal+packing+t5")
+  q, k, v = _normal(B, T, N, H), _normal(B, T, 2, H), _normal(B, T, 2, H)
+  _, (want_out, want_grads) = _outputs_and_gradients(spec, q, k, v, dense)
+  mesh = Mesh(np.array(jax.devices()[:2]), ("data",), axis_types=(AxisType.Auto,))
+  rows = NamedSharding(mesh, P("data"))
+
+  def sharded(q, k, v, spec, *, scale):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return dense(q, k, v, spec, scale=scale)
+
+  q, k, v = (jax.device_put(x, rows) for x in (q, k, v))
+  hlo, (out, grads) = _outputs_and_gradients(spec, q, k, v, sharded)
+  assert cpu_gemm.STRIDED_TARGET in hlo
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-6, atol=1e-6)
+  for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
