@@ -78,6 +78,33 @@ def test_project_value_and_gradients_match_xla_dot(x_shape, w_shape, in_dims):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("under_mesh", [False, True])
+def test_a_kernel_stored_transposed_is_read_in_place_forward_and_backward(under_mesh):
+  """A tied embedding [V, D] as the kernel [D, V]: no transpose of it or of its gradient."""
+  x = jax.random.normal(jax.random.key(0), (4, 64, 6))  # 128 rows per device on 2
+  table = jax.random.normal(jax.random.key(1), (33, 6))
+  expected = jax.jit(jax.value_and_grad(_loss(_xla_project, 1), argnums=(0, 1)))(x, table.T)
+  mesh = _mesh(data=2)
+
+  def step(x, table):
+    loss = lambda x, table: jnp.sum(jnp.sin(linear.project(x, table, 1, kernel_transposed=True)))  # noqa: E731
+    if not under_mesh:
+      return jax.value_and_grad(loss, argnums=(0, 1))(x, table)
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return jax.value_and_grad(loss, argnums=(0, 1))(x, table)
+
+  if under_mesh:
+    x = jax.device_put(x, NamedSharding(mesh, P("data")))
+  compiled = jax.jit(step).lower(x, table).compile()
+  assert len(_hlo_calls(compiled.as_text())) == 3
+  assert " transpose(" not in compiled.as_text() and "transpose_" not in compiled.as_text()
+  value, (dx, dtable) = compiled(x, table)
+  want_value, (want_dx, want_dkernel) = expected
+  np.testing.assert_allclose(np.asarray(value), np.asarray(want_value), rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(dx), np.asarray(want_dx), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(dtable), np.asarray(want_dkernel).T, rtol=1e-5, atol=1e-5)
+
+
 def test_project_under_a_batch_split_mesh_runs_per_device_and_sums_the_kernel_gradient():
   """fsdp=2, data=2: each device multiplies its quarter of the rows; dkernel is all-reduced."""
   mesh = _mesh(data=2, fsdp=2)

@@ -223,12 +223,21 @@ def _batch_split() -> tuple[tuple[str, ...], int] | None:
   return split, math.prod(sizes[name] for name in split)
 
 
-def project(x: Array, kernel: Array, in_dims: int, axes: tuple[str, ...]) -> Array:
-  """x [*batch, *in] · kernel [*in, *out] -> [*batch, *out] through MKL; axes: `batch_axes`."""
-  return _project(x, kernel, in_dims, axes)
+def project(
+    x: Array, kernel: Array, in_dims: int, axes: tuple[str, ...], transposed: bool = False
+) -> Array:
+  """x [*batch, *in] · kernel [*in, *out] -> [*batch, *out] through MKL; axes: `batch_axes`.
+
+  transposed: the kernel is stored [*out, *in] (a tied embedding [V, D]) and read so, in the
+  forward and the backward, and its gradient comes out [*out, *in]: no transposed copy.
+  """
+  return _project(x, kernel, in_dims, axes, transposed)
 
 
-def _flat_sizes(kernel: Array, in_dims: int) -> tuple[int, int]:
+def _flat_sizes(kernel: Array, in_dims: int, transposed: bool = False) -> tuple[int, int]:
+  """(k, n) of the kernel as a matrix [k, n] (stored [n, k] when transposed)."""
+  if transposed:
+    return math.prod(kernel.shape[kernel.ndim - in_dims :]), math.prod(kernel.shape[:-in_dims])
   return math.prod(kernel.shape[:in_dims]), math.prod(kernel.shape[in_dims:])
 
 
@@ -240,35 +249,42 @@ def _per_device(fn, axes: tuple[str, ...], in_specs, out_specs):
                        check_vma=False)
 
 
-def _forward(x: Array, kernel: Array, in_dims: int, axes: tuple[str, ...]) -> Array:
+def _forward(x: Array, kernel: Array, in_dims: int, axes: tuple[str, ...], transposed: bool):
   def local(x, kernel):
-    k, n = _flat_sizes(kernel, in_dims)
-    y = gemm(x.reshape(-1, k), kernel.reshape(k, n))
-    return y.reshape(x.shape[: x.ndim - in_dims] + kernel.shape[in_dims:])
+    k, n = _flat_sizes(kernel, in_dims, transposed)
+    matrix = kernel.reshape((n, k) if transposed else (k, n))
+    y = gemm(x.reshape(-1, k), matrix, trans_b=transposed)
+    out_shape = kernel.shape[: kernel.ndim - in_dims] if transposed else kernel.shape[in_dims:]
+    return y.reshape(x.shape[: x.ndim - in_dims] + out_shape)
 
   rows = PartitionSpec(axes)
   return _per_device(local, axes, (rows, PartitionSpec()), rows)(x, kernel)
 
 
-_project = jax.custom_vjp(_forward, nondiff_argnums=(2, 3))
+_project = jax.custom_vjp(_forward, nondiff_argnums=(2, 3, 4))
 
 
-def _project_fwd(x, kernel, in_dims, axes):
-  return _forward(x, kernel, in_dims, axes), (x, kernel)
+def _project_fwd(x, kernel, in_dims, axes, transposed):
+  return _forward(x, kernel, in_dims, axes, transposed), (x, kernel)
 
 
-def _project_bwd(in_dims, axes, residuals, dy):
-  """dx = dy · kernelᵀ on each device; dkernel = Σ_devices xᵀ · dy."""
+def _project_bwd(in_dims, axes, transposed, residuals, dy):
+  """dx = dy · kernelᵀ on each device; dkernel = Σ_devices xᵀ · dy (dyᵀ · x, transposed)."""
   x, kernel = residuals
 
   def local(x, kernel, dy):
-    k, n = _flat_sizes(kernel, in_dims)
+    k, n = _flat_sizes(kernel, in_dims, transposed)
     x2, dy2 = x.reshape(-1, k), dy.reshape(-1, n)
-    dx = gemm(dy2, kernel.reshape(k, n), trans_b=True).reshape(x.shape)
-    dkernel = gemm(x2, dy2, trans_a=True).reshape(kernel.shape)
+    if transposed:
+      dx = gemm(dy2, kernel.reshape(n, k))
+      dkernel = gemm(dy2, x2, trans_a=True)
+    else:
+      dx = gemm(dy2, kernel.reshape(k, n), trans_b=True)
+      dkernel = gemm(x2, dy2, trans_a=True)
+    dkernel = dkernel.reshape(kernel.shape)
     if axes:
       dkernel = jax.lax.psum(dkernel, axes)
-    return dx, dkernel
+    return dx.reshape(x.shape), dkernel
 
   rows = PartitionSpec(axes)
   in_specs, out_specs = (rows, PartitionSpec(), rows), (rows, PartitionSpec())

@@ -95,8 +95,13 @@ def _contract(x: Array, kernel: Array, in_dims: int, preferred_element_type=None
   )
 
 
-def project(x: Array, kernel: Array, in_dims: int, preferred_element_type=None) -> Array:
+def project(
+    x: Array, kernel: Array, in_dims: int, preferred_element_type=None, *,
+    kernel_transposed: bool = False,
+) -> Array:
   """`_contract`, differentiated so that XLA:CPU transposes the smaller operand.
+
+  kernel_transposed: the kernel is stored [*out, *in] (a tied embedding's [V, D] table).
 
   The kernel's gradient Σ_batch x ⊗ dy needs x or dy transposed. Autodiff's form
   (dot(dy, x)ᵀ, which XLA folds into one dot) transposes dy, and XLA:CPU then runs the dot
@@ -113,7 +118,10 @@ def project(x: Array, kernel: Array, in_dims: int, preferred_element_type=None) 
   if cpu_gemm.applies(x, kernel):
     axes = cpu_gemm.batch_axes(x, in_dims)
     if axes is not None:
-      return cpu_gemm.project(x, kernel, in_dims, axes)
+      return cpu_gemm.project(x, kernel, in_dims, axes, kernel_transposed)
+  if kernel_transposed:
+    out_dims = kernel.ndim - in_dims
+    kernel = jnp.moveaxis(kernel, tuple(range(out_dims)), tuple(range(in_dims, kernel.ndim)))
   in_size = int(np.prod(kernel.shape[:in_dims]))
   out_size = int(np.prod(kernel.shape[in_dims:]))
   if in_size <= out_size:
