@@ -9,7 +9,7 @@ FlashAttention's, d logits = p·(dp − Σ dout·out). `chunked_attention` picks
   one `cpu_gemm.in_place_einsum`, which reads q, k, v and dout where they lie ([B, T, K, G,
   H], a chunk being an offset into them) and writes its result in the layout the next step
   wants. Nothing is transposed or sliced by a copy; at the bench shape the layout copies had
-  cost as much time as the contractions (docs/performance_xeon.md, twenty-fifth part);
+  cost as much time as the contractions (docs/performance_in_place.md);
 - **XLA's layouts** (elsewhere): operands laid out once per call for XLA's dot.
 
 Also the logits pieces that `dense_attention` shares, so both compute the same bits.
