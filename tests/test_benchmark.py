@@ -60,6 +60,26 @@ def test_rounds_record_each_call_and_the_calling_threads_cpu():
   assert min(timer.thread_cpu["spin"]) > 0
 
 
+def test_rounds_start_each_call_after_the_threads_of_the_one_before_went_quiet():
+  """Like torch's OpenMP workers, a runner leaves a thread busy for 10 ms after it returns;
+  the next runner's call must not be charged for it."""
+  import hashlib  # pylint: disable=g-import-not-at-top
+  import threading  # pylint: disable=g-import-not-at-top
+
+  def spin_until(end):
+    block = bytes(1 << 20)
+    while time.perf_counter() < end:
+      hashlib.sha256(block)  # releases the GIL, as torch's threads never held it
+
+  def leaves_a_busy_thread():
+    threading.Thread(target=spin_until, args=(time.perf_counter() + 0.01,)).start()
+
+  timer = common.Rounds({"busy_after": leaves_a_busy_thread, "sleep": lambda: time.sleep(0.05)})
+  for _ in range(3):
+    timer.round()
+  assert max(timer.cores["sleep"]) < 0.05  # no other thread ran during its call
+
+
 def test_matmul_peak_records_one_flop_rate_per_call_against_a_numpy_product():
   peak = common.MatmulPeak("jax", 64)
   peak()

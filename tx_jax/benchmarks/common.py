@@ -86,6 +86,11 @@ def machine() -> dict:
 
 
 WARMUP_ROUNDS = 3
+# Untimed pause before each timed call. torch's OpenMP workers spin for a few ms after each
+# of its calls; on 2 cores they took one from whatever ran next: a 2048 x 512 x 2048 GEMM
+# through tx_jax right after torch's read 243-254 GFLOP/s, and 312-314 after a 20 ms pause
+# (torch's own 310-324), docs/performance_in_place.md.
+SETTLE_SECONDS = 0.02
 
 
 class Rounds:
@@ -93,9 +98,10 @@ class Rounds:
 
   Per call: wall seconds, cores busy (process CPU time / wall time, the thread use of that
   call) and the calling thread's own CPU seconds (the host work that a jitted call leaves
-  on it: dispatch, Python). `warm()` runs WARMUP_ROUNDS untimed rounds first: compilation,
-  then the allocator, whose heap grows for a few calls until every contestant's pattern of
-  large blocks fits (tx_jax.host_memory).
+  on it: dispatch, Python). Each call starts after SETTLE_SECONDS of quiet, so no runner
+  pays for the threads of the one before. `warm()` runs WARMUP_ROUNDS untimed rounds first:
+  compilation, then the allocator, whose heap grows for a few calls until every
+  contestant's pattern of large blocks fits (tx_jax.host_memory).
   """
 
   def __init__(self, runners: dict[str, Callable[[], None]]):
@@ -111,6 +117,7 @@ class Rounds:
 
   def round(self) -> None:
     for name, fn in self.runners.items():
+      time.sleep(SETTLE_SECONDS)
       start, cpu_start, thread_start = time.perf_counter(), time.process_time(), time.thread_time()
       fn()
       elapsed = time.perf_counter() - start
