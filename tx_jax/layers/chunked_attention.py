@@ -91,12 +91,16 @@ class Chunk(NamedTuple):
   key_end: int
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _laid_out_attention(q_BTKGH, k_BSKH, v_BSKH, masks, biases, scale, chunks, bias_shapes):
-  """`chunked_attention` in XLA's layouts, laid out as [B, K, G, T, H]."""
-  return _laid_out_attention_fwd(
-      q_BTKGH, k_BSKH, v_BSKH, masks, biases, scale, chunks, bias_shapes
-  )[0]
+def _with_vjp(forward, backward):
+  """f(q, k, v, masks, biases, scale, chunks, bias_shapes) = forward(...)[0], differentiated
+  by `backward`; the last three arguments are static."""
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+  def attention(q_BTKGH, k_BSKH, v_BSKH, masks, biases, scale, chunks, bias_shapes):
+    return forward(q_BTKGH, k_BSKH, v_BSKH, masks, biases, scale, chunks, bias_shapes)[0]
+
+  attention.defvjp(forward, backward)
+  return attention
 
 
 def _laid_out_attention_fwd(q_BTKGH, k_BSKH, v_BSKH, masks, biases, scale, chunks, bias_shapes):
@@ -225,7 +229,8 @@ def _by_key_block(parts: list[Array], chunks: Sequence[Chunk], axis: int = -1) -
   return jnp.concatenate(blocks, axis=axis) if len(blocks) > 1 else blocks[0]
 
 
-_laid_out_attention.defvjp(_laid_out_attention_fwd, _laid_out_attention_bwd)
+# `chunked_attention` in XLA's layouts, laid out as [B, K, G, T, H].
+_laid_out_attention = _with_vjp(_laid_out_attention_fwd, _laid_out_attention_bwd)
 
 
 def chunked_attention(q_BTKGH, k_BSKH, v_BSKH, masks, biases, scale, chunks, bias_shapes):
@@ -261,13 +266,6 @@ def _in_place(equation: str, x: Array, y: Array, chunk: Chunk, x_starts=None, y_
   return cpu_gemm.in_place_einsum(
       equation, x, y, batch="bkg", sizes=sizes, starts=(x_starts or {}, y_starts or {})
   )
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _in_place_attention(q_BTKGH, k_BSKH, v_BSKH, masks, biases, scale, chunks, bias_shapes):
-  return _in_place_attention_fwd(
-      q_BTKGH, k_BSKH, v_BSKH, masks, biases, scale, chunks, bias_shapes
-  )[0]
 
 
 def _in_place_attention_fwd(q_BTKGH, k_BSKH, v_BSKH, masks, biases, scale, chunks, bias_shapes):
@@ -312,4 +310,4 @@ def _in_place_attention_bwd(scale, chunks, bias_shapes, residuals, dout_BTKGH):
   return dq * scale, dk * scale, dv, None, tuple(dbiases)
 
 
-_in_place_attention.defvjp(_in_place_attention_fwd, _in_place_attention_bwd)
+_in_place_attention = _with_vjp(_in_place_attention_fwd, _in_place_attention_bwd)
