@@ -200,3 +200,21 @@ def test_dense_in_place_under_a_data_mesh_equals_one_device():
   np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-6, atol=1e-6)
   for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_dense_on_a_batch_the_mesh_does_not_divide_keeps_xla_layouts():
+  """3 rows over 2 devices: no per-device GEMM, the same attention as on one device."""
+  spec = AttentionSpec.self_attention(jnp.ones((3, T), jnp.int32), causal=True)
+  q, k, v = _normal(3, T, N, H), _normal(3, T, N, H), _normal(3, T, N, H)
+  _, (want_out, want_grads) = _outputs_and_gradients(spec, q, k, v, dense)
+  mesh = Mesh(np.array(jax.devices()[:2]), ("data",), axis_types=(AxisType.Auto,))
+
+  def on_mesh(q, k, v, spec, *, scale):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return dense(q, k, v, spec, scale=scale)
+
+  hlo, (out, grads) = _outputs_and_gradients(spec, q, k, v, on_mesh)
+  assert cpu_gemm.STRIDED_TARGET not in hlo
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-5, atol=1e-5)
+  for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)

@@ -417,8 +417,12 @@ _einsum.defvjp(_einsum_fwd, _einsum_bwd)
 
 def in_place_applies(x: Array, y: Array) -> bool:
   """Whether `in_place_einsum` reads x and y in place through MKL (else it slices them and
-  calls jnp.einsum): float32 on CPU, MKL available, a mesh that splits at most the batch."""
-  return applies(x, y) and _batch_split() is not None
+  calls jnp.einsum): float32 on CPU, MKL available, a mesh that splits at most the batch,
+  into equal parts of x's leading dim (as `einsum`'s plan asks)."""
+  if not applies(x, y):
+    return False
+  found = _batch_split()
+  return found is not None and x.ndim > 0 and x.shape[0] % found[1] == 0
 
 
 def in_place_einsum(
