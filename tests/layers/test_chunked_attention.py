@@ -1,4 +1,4 @@
-"""Contractions read in place (cpu_gemm.in_place_einsum) and `dense` attention built on them
+"""Contractions read in place (cpu_einsum.in_place_einsum) and `dense` attention built on them
 (layers/chunked_attention.py), against numpy and against XLA's autodiff of the reference."""
 
 import jax
@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tx_jax.layers import cpu_gemm
+from tx_jax.layers import cpu_einsum, cpu_gemm
 from tx_jax.layers.attention_backends import dense, dense_attention
 from tx_jax.layers.attention_spec import AttentionSpec
 from tx_jax.layers.positions import AlibiBias, RelativeBias, alibi_slopes
@@ -30,7 +30,7 @@ def _normal(*shape):
 
 
 def _windows_in_numpy(equation, x, y, sizes, starts):
-  xs, ys, _ = cpu_gemm._letters(equation)
+  xs, ys, _ = cpu_einsum._letters(equation)
   extent = {**dict(zip(xs, x.shape)), **dict(zip(ys, y.shape)), **sizes}
 
   def window(operand, letters, start):
@@ -62,7 +62,7 @@ def test_in_place_einsum_matches_numpy_and_copies_nothing(
 ):
   x, y = _normal(*x_shape), _normal(*y_shape)
   fn = jax.jit(
-      lambda x, y: cpu_gemm.in_place_einsum(equation, x, y, batch=batch, sizes=sizes,
+      lambda x, y: cpu_einsum.in_place_einsum(equation, x, y, batch=batch, sizes=sizes,
                                             starts=starts)
   )
   hlo = fn.lower(x, y).compile().as_text()
@@ -85,7 +85,7 @@ def test_in_place_einsum_under_a_batch_split_mesh_runs_per_device():
 
   def fn(x, y):
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      return cpu_gemm.in_place_einsum(equation, x, y, batch=batch, sizes=sizes, starts=starts)
+      return cpu_einsum.in_place_einsum(equation, x, y, batch=batch, sizes=sizes, starts=starts)
 
   compiled = jax.jit(fn).lower(jax.device_put(x, rows), jax.device_put(y, rows)).compile()
   (call,) = [line for line in compiled.as_text().splitlines() if cpu_gemm.STRIDED_TARGET in line]

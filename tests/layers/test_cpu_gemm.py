@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tx_jax.layers import cpu_gemm, linear
+from tx_jax.layers import cpu_einsum, cpu_gemm, linear
 
 pytestmark = pytest.mark.skipif(
     cpu_gemm._load() is not None, reason=f"MKL's GEMM unavailable here: {cpu_gemm._load()}"
@@ -219,7 +219,7 @@ def test_einsum_value_and_gradients_match_jnp_einsum(equation, x_shape, y_shape)
     return lambda x, y: jnp.sum(jnp.sin(einsum(equation, x, y)))
 
   expected = jax.jit(jax.value_and_grad(loss(jnp.einsum), argnums=(0, 1)))(x, y)
-  fn = jax.jit(jax.value_and_grad(loss(cpu_gemm.einsum), argnums=(0, 1)))
+  fn = jax.jit(jax.value_and_grad(loss(cpu_einsum.einsum), argnums=(0, 1)))
   assert len(_hlo_calls(fn.lower(x, y).compile().as_text())) == 3  # out, dx, dy
   for a, b in zip(jax.tree.leaves(fn(x, y)), jax.tree.leaves(expected)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5)
@@ -235,7 +235,7 @@ def test_einsum_under_a_batch_split_mesh_runs_per_device():
 
   def fn(x, y):
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      return cpu_gemm.einsum(equation, x, y)
+      return cpu_einsum.einsum(equation, x, y)
 
   compiled = jax.jit(fn).lower(x_sharded, y_sharded).compile()
   (call,) = _hlo_calls(compiled.as_text())
@@ -257,7 +257,7 @@ def test_einsum_under_a_batch_split_mesh_runs_per_device():
 )
 def test_einsum_leaves_what_is_not_a_batched_matrix_product_to_xla(equation, x_shape, y_shape):
   x, y = jnp.ones(x_shape), jnp.ones(y_shape)
-  fn = jax.jit(lambda x, y: cpu_gemm.einsum(equation, x, y))
+  fn = jax.jit(lambda x, y: cpu_einsum.einsum(equation, x, y))
   assert cpu_gemm.TARGET not in fn.lower(x, y).as_text()
   np.testing.assert_allclose(np.asarray(fn(x, y)), np.asarray(jnp.einsum(equation, x, y)))
 

@@ -20,7 +20,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from tx_jax.layers import cpu_gemm
+from tx_jax.layers import cpu_einsum
 from tx_jax.layers.attention_spec import AttentionSpec
 from tx_jax.layers.blockwise_attention import blockwise_attention
 from tx_jax.layers.chunked_attention import Chunk, chunked_attention, group_queries, grouped_logits
@@ -48,7 +48,7 @@ def _masked_softmax(logits_BKGTS: Array, mask_B1TS: Array | None) -> Array:
 def _weighted_values(weights_BKGTS: Array, v_BSKH: Array) -> Array:
   """sum_s w·v as [B, T, K, G, H]; the product is laid out [B, K, G, T, H], which XLA on
   CPU computes without transposing V (a [B, T, ...] output made it copy V every step)."""
-  out_BKGTH = cpu_gemm.einsum("bkgts,bskh->bkgth", weights_BKGTS.astype(v_BSKH.dtype), v_BSKH)
+  out_BKGTH = cpu_einsum.einsum("bkgts,bskh->bkgth", weights_BKGTS.astype(v_BSKH.dtype), v_BSKH)
   return jnp.moveaxis(out_BKGTH, 3, 1)
 
 

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from tx_jax.layers import cpu_gemm
+from tx_jax.layers import cpu_einsum
 from tx_jax.layers.attention_spec import AttentionSpec
 
 Array = jnp.ndarray
@@ -51,7 +51,7 @@ class Partial(NamedTuple):
 
 def block_logits(q_BKGTH: Array, k_BKHS: Array, spec: AttentionSpec, scale: float) -> Array:
   """Scaled float32 logits plus bias for one block, [B, K, G, T, S] (unmasked)."""
-  logits_BKGTS = cpu_gemm.einsum(
+  logits_BKGTS = cpu_einsum.einsum(
       "bkgth,bkhs->bkgts", q_BKGTH, k_BKHS, preferred_element_type=jnp.float32
   ) * jnp.float32(scale)
   bias_BNTS = spec.bias_logits()
@@ -74,7 +74,7 @@ def attend_block(
   block_max = jnp.max(jnp.where(mask_B11TS, logits_BKGTS, -jnp.inf), axis=-1)
   shift = jnp.where(jnp.isfinite(block_max), block_max, 0.0)
   p_BKGTS = jnp.where(mask_B11TS, jnp.exp(logits_BKGTS - shift[..., None]), 0.0)
-  out_BKGTH = cpu_gemm.einsum(
+  out_BKGTH = cpu_einsum.einsum(
       "bkgts,bksh->bkgth",
       p_BKGTS.astype(v_BKSH.dtype),
       v_BKSH,
@@ -202,12 +202,12 @@ def _backward(q_BTKGH, k_BSKH, v_BSKH, spec, scale, block_q, block_k, out, lse, 
         lse_blk = take(lse, i * block_q, block_q, 3)
         p = jnp.where(mask_B11TS, jnp.exp(logits - lse_blk[..., None]), 0.0)
         do_blk_t = take(dout_BKHGT, i * block_q, block_q, 4)
-        dv = cpu_gemm.einsum("bkhgt,bkgts->bkhs", do_blk_t, p, preferred_element_type=f32)
-        dp = cpu_gemm.einsum("bkgth,bkhs->bkgts", do_blk, v_blk_hs, preferred_element_type=f32)
+        dv = cpu_einsum.einsum("bkhgt,bkgts->bkhs", do_blk_t, p, preferred_element_type=f32)
+        dp = cpu_einsum.einsum("bkgth,bkhs->bkgts", do_blk, v_blk_hs, preferred_element_type=f32)
         ds = p * (dp - take(delta_BKGT, i * block_q, block_q, 3)[..., None])
-        dq_blk = cpu_gemm.einsum("bkgts,bksh->bkgth", ds, k_blk_sh, preferred_element_type=f32)
+        dq_blk = cpu_einsum.einsum("bkgts,bksh->bkgth", ds, k_blk_sh, preferred_element_type=f32)
         q_blk_t = take(q_BKHGT, i * block_q, block_q, 4)
-        dk = cpu_gemm.einsum("bkhgt,bkgts->bkhs", q_blk_t, ds, preferred_element_type=f32)
+        dk = cpu_einsum.einsum("bkhgt,bkgts->bkhs", q_blk_t, ds, preferred_element_type=f32)
         (dbias_blk,) = bias_vjp(ds)
         dq_i = take(dq, i * block_q, block_q, 3) + dq_blk * scale
         return (

@@ -6,7 +6,7 @@ attending only to the keys up to its last query (`Chunk`), and runs all of them 
 FlashAttention's, d logits = p·(dp − Σ dout·out). `chunked_attention` picks the layout:
 
 - **in place** (float32 on CPU, through MKL): every q·kᵀ, p·v and gradient contraction is
-  one `cpu_gemm.in_place_einsum`, which reads q, k, v and dout where they lie ([B, T, K, G,
+  one `cpu_einsum.in_place_einsum`, which reads q, k, v and dout where they lie ([B, T, K, G,
   H], a chunk being an offset into them) and writes its result in the layout the next step
   wants. Nothing is transposed or sliced by a copy; at the bench shape the layout copies had
   cost as much time as the contractions (docs/performance_in_place.md);
@@ -24,7 +24,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from tx_jax.layers import cpu_gemm
+from tx_jax.layers import cpu_einsum
 
 Array = jnp.ndarray
 
@@ -46,8 +46,8 @@ def bias_to_groups(bias: Array, num_kv_heads: int) -> Array:
 def grouped_logits(
     q_BTKGH: Array, k_BSKH: Array, mask_B1TS: Array | None, bias: Array | None, scale: float
 ) -> Array:
-  """q·kᵀ through `cpu_gemm.einsum`, then `_logits`: float32 [B, K, G, T, S]."""
-  products_BKGTS = cpu_gemm.einsum(
+  """q·kᵀ through `cpu_einsum.einsum`, then `_logits`: float32 [B, K, G, T, S]."""
+  products_BKGTS = cpu_einsum.einsum(
       "btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32
   )
   return _logits(products_BKGTS, mask_B1TS, bias, scale)
@@ -114,7 +114,7 @@ def _laid_out_attention_fwd(q_BTKGH, k_BSKH, v_BSKH, masks, biases, scale, chunk
     p_BKGTS = _probabilities(logits_BKGTS, mask_B1TS)
     probabilities.append(p_BKGTS)
     p_BKGTS = p_BKGTS.astype(v_BSKH.dtype)
-    outputs.append(cpu_gemm.einsum("bkgts,bskh->bkgth", p_BKGTS, v_BSKH[:, keys]))
+    outputs.append(cpu_einsum.einsum("bkgts,bskh->bkgth", p_BKGTS, v_BSKH[:, keys]))
   out_BKGTH = jnp.concatenate(outputs, axis=3) if len(outputs) > 1 else outputs[0]
   return out_BKGTH, (q_BTKGH, k_BSKH, v_BSKH, tuple(probabilities), out_BKGTH)
 
@@ -143,7 +143,7 @@ def _laid_out_attention_bwd(scale, chunks, bias_shapes, residuals, dout_BKGTH):
   k_BKSH = k_BSKH.transpose(0, 2, 1, 3)
   v_BKHS = v_BSKH.transpose(0, 2, 3, 1)
   row_dot_BKGT1 = _row_dot(dout_BKGTH, out_BKGTH)
-  einsum = functools.partial(cpu_gemm.einsum, preferred_element_type=f32)
+  einsum = functools.partial(cpu_einsum.einsum, preferred_element_type=f32)
   dq_parts, dk_parts, dv_parts, dbiases = [], [], [], []
   for chunk, p_BKGTS, bias_shape in zip(chunks, probabilities, bias_shapes):
     queries, keys = slice(chunk.start, chunk.end), slice(0, chunk.key_end)
@@ -174,13 +174,13 @@ def _one_chunk_bwd(scale, bias_shape, residuals, dout_BKGTH):
   operands out by hand only added copies (`small`'s T = 64: 1.76 vs 1.54 ms fwd+bwd)."""
   q_BTKGH, k_BSKH, v_BSKH, (p_BKGTS,), out_BKGTH = residuals
   f32 = jnp.float32
-  dp_BKGTS = cpu_gemm.einsum("bkgth,bskh->bkgts", dout_BKGTH, v_BSKH, preferred_element_type=f32)
+  dp_BKGTS = cpu_einsum.einsum("bkgth,bskh->bkgts", dout_BKGTH, v_BSKH, preferred_element_type=f32)
   row_dot = _row_dot(dout_BKGTH, out_BKGTH)
   dlogits_BKGTS = p_BKGTS * (dp_BKGTS - row_dot)
-  dv = cpu_gemm.einsum("bkgts,bkgth->bskh", p_BKGTS.astype(dout_BKGTH.dtype), dout_BKGTH)
+  dv = cpu_einsum.einsum("bkgts,bkgth->bskh", p_BKGTS.astype(dout_BKGTH.dtype), dout_BKGTH)
   ds = dlogits_BKGTS.astype(k_BSKH.dtype)
-  dq = cpu_gemm.einsum("bkgts,bskh->btkgh", ds, k_BSKH, preferred_element_type=f32) * scale
-  dk = cpu_gemm.einsum("bkgts,btkgh->bskh", ds, q_BTKGH, preferred_element_type=f32) * scale
+  dq = cpu_einsum.einsum("bkgts,bskh->btkgh", ds, k_BSKH, preferred_element_type=f32) * scale
+  dk = cpu_einsum.einsum("bkgts,btkgh->bskh", ds, q_BTKGH, preferred_element_type=f32) * scale
   return (
       dq.astype(q_BTKGH.dtype),
       dk.astype(k_BSKH.dtype),
@@ -248,22 +248,22 @@ def chunked_attention(q_BTKGH, k_BSKH, v_BSKH, masks, biases, scale, chunks, bia
 
 def _in_place_applies(q_BTKGH: Array, k_BSKH: Array, chunks: Sequence[Chunk]) -> bool:
   """MKL reads the operands in place: float32 on CPU, and no contraction so small that
-  XLA's dot, fused with its neighbours, would do better (`cpu_gemm.MIN_EINSUM_DIM`)."""
+  XLA's dot, fused with its neighbours, would do better (`cpu_einsum.MIN_EINSUM_DIM`)."""
   batch, _, heads, groups, head_dim = q_BTKGH.shape
   smallest = min(min(c.end - c.start, c.key_end) for c in chunks)
   flops = 2 * batch * heads * groups * smallest * smallest * head_dim
   return (
-      min(smallest, head_dim) >= cpu_gemm.MIN_EINSUM_DIM
-      and flops >= cpu_gemm.MIN_EINSUM_FLOPS
-      and cpu_gemm.in_place_applies(q_BTKGH, k_BSKH)
+      min(smallest, head_dim) >= cpu_einsum.MIN_EINSUM_DIM
+      and flops >= cpu_einsum.MIN_EINSUM_FLOPS
+      and cpu_einsum.in_place_applies(q_BTKGH, k_BSKH)
   )
 
 
 def _in_place(equation: str, x: Array, y: Array, chunk: Chunk, x_starts=None, y_starts=None):
-  """One of the chunk's contractions over batch (b, k, g) (`cpu_gemm.in_place_einsum`):
+  """One of the chunk's contractions over batch (b, k, g) (`cpu_einsum.in_place_einsum`):
   t spans the chunk's queries, s its keys; a start places the chunk in the full operand."""
   sizes = {"t": chunk.end - chunk.start, "s": chunk.key_end}
-  return cpu_gemm.in_place_einsum(
+  return cpu_einsum.in_place_einsum(
       equation, x, y, batch="bkg", sizes=sizes, starts=(x_starts or {}, y_starts or {})
   )
 
