@@ -1,5 +1,5 @@
-"""Contractions read in place (cpu_einsum.in_place_einsum) and `dense` attention built on them
-(layers/chunked_attention.py), against numpy and against XLA's autodiff of the reference."""
+"""`dense` attention on contractions read in place (layers/chunked_attention.py, on
+cpu_einsum.in_place_einsum) against XLA's autodiff of the reference."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tx_jax.layers import cpu_einsum, cpu_gemm
+from tx_jax.layers import cpu_gemm
 from tx_jax.layers.attention_backends import dense, dense_attention
 from tx_jax.layers.attention_spec import AttentionSpec
 from tx_jax.layers.positions import AlibiBias, RelativeBias, alibi_slopes
@@ -27,86 +27,6 @@ def _mkl_on_any_cpu(monkeypatch):
 
 def _normal(*shape):
   return jnp.asarray(RNG.standard_normal(shape), jnp.float32)
-
-
-def _windows_in_numpy(equation, x, y, sizes, starts):
-  xs, ys, _ = cpu_einsum._letters(equation)
-  extent = {**dict(zip(xs, x.shape)), **dict(zip(ys, y.shape)), **sizes}
-
-  def window(operand, letters, start):
-    return np.asarray(operand)[
-        tuple(slice(start.get(c, 0), start.get(c, 0) + extent[c]) for c in letters)
-    ]
-
-  return np.einsum(
-      equation, window(x, xs, starts[0]).astype(np.float64), window(y, ys, starts[1])
-  )
-
-
-# (equation, batch, x shape, y shape, sizes, starts): a query chunk against a prefix of the
-# keys; groups repeating the keys (k has no g); an operand read transposed (p's s rows are
-# its columns); a contraction over a query window written [B, S, K, G, H].
-IN_PLACE = [
-    ("btkgh,bskh->bkgts", "bkg", (2, 96, 2, 3, 16), (2, 96, 2, 16), {"t": 32, "s": 64},
-     ({"t": 32}, {})),
-    ("bkgts,bskh->btkgh", "bkg", (2, 2, 3, 32, 64), (2, 96, 2, 16), {"s": 64}, ({}, {})),
-    ("bkgts,btkgh->bskgh", "bkg", (2, 2, 3, 32, 64), (2, 96, 2, 3, 16), {"t": 32},
-     ({}, {"t": 64})),
-    ("bij,bjk->bik", "b", (3, 40, 50), (3, 50, 60), {}, ({}, {})),
-]
-
-
-@pytest.mark.parametrize("equation, batch, x_shape, y_shape, sizes, starts", IN_PLACE)
-def test_in_place_einsum_matches_numpy_and_copies_nothing(
-    equation, batch, x_shape, y_shape, sizes, starts
-):
-  x, y = _normal(*x_shape), _normal(*y_shape)
-  fn = jax.jit(
-      lambda x, y: cpu_einsum.in_place_einsum(equation, x, y, batch=batch, sizes=sizes,
-                                            starts=starts)
-  )
-  hlo = fn.lower(x, y).compile().as_text()
-  assert cpu_gemm.STRIDED_TARGET in hlo
-  # The operands go to the call as they are: no slice, transpose or copy before it.
-  ops = [line.split("=")[1].split("(")[0] for line in hlo.splitlines() if " = " in line]
-  assert not any(op.strip().split()[-1] in ("slice", "transpose", "copy", "fusion")
-                 for op in ops), ops
-  np.testing.assert_allclose(
-      np.asarray(fn(x, y)), _windows_in_numpy(equation, x, y, sizes, starts), rtol=1e-5,
-      atol=1e-4,
-  )
-
-
-def test_in_place_einsum_under_a_batch_split_mesh_runs_per_device():
-  equation, batch, x_shape, y_shape, sizes, starts = IN_PLACE[0]
-  mesh = Mesh(np.array(jax.devices()[:2]), ("data",), axis_types=(AxisType.Auto,))
-  x, y = _normal(*x_shape), _normal(*y_shape)
-  rows = NamedSharding(mesh, P("data"))
-
-  def fn(x, y):
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      return cpu_einsum.in_place_einsum(equation, x, y, batch=batch, sizes=sizes, starts=starts)
-
-  compiled = jax.jit(fn).lower(jax.device_put(x, rows), jax.device_put(y, rows)).compile()
-  (call,) = [line for line in compiled.as_text().splitlines() if cpu_gemm.STRIDED_TARGET in line]
-  assert "f32[1,2,3,32,64]" in call  # one example per device
-  np.testing.assert_allclose(
-      np.asarray(compiled(jax.device_put(x, rows), jax.device_put(y, rows))),
-      _windows_in_numpy(equation, x, y, sizes, starts), rtol=1e-5, atol=1e-4,
-  )
-
-
-def test_a_view_outside_its_buffer_is_refused_by_the_handler():
-  a, b = _normal(4, 8), _normal(8, 4)
-  call = jax.ffi.ffi_call(cpu_gemm.STRIDED_TARGET, jax.ShapeDtypeStruct((4, 4), jnp.float32))
-  view = lambda offset: np.array([offset, 0, 0, 0, 8, 0], np.int64)  # noqa: E731
-  shape = np.array([1, 1, 1, 4, 4, 8], np.int64)
-  c_view = np.array([0, 0, 0, 0, 4, 0], np.int64)
-  good = call(a, b, shape=shape, a_view=view(0), b_view=np.array([0, 0, 0, 0, 4, 0], np.int64),
-              c_view=c_view)
-  np.testing.assert_allclose(np.asarray(good), np.asarray(a) @ np.asarray(b), rtol=1e-5)
-  with pytest.raises(Exception, match="a view lies outside its buffer"):
-    jax.block_until_ready(call(a, b, shape=shape, a_view=view(1), b_view=view(0), c_view=c_view))
 
 
 B, T, N, H = 2, 128, 4, 32  # two causal query chunks of 64; large enough for MKL

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tx_jax.layers import cpu_einsum, cpu_gemm, linear
+from tx_jax.layers import cpu_gemm, linear
 
 pytestmark = pytest.mark.skipif(
     cpu_gemm._load() is not None, reason=f"MKL's GEMM unavailable here: {cpu_gemm._load()}"
@@ -198,68 +198,6 @@ def test_batched_gemm_matches_numpy(batch, trans_a, trans_b):
   a64 = np.swapaxes(a, 1, 2) if trans_a else a
   b64 = np.swapaxes(b, 1, 2) if trans_b else b
   np.testing.assert_allclose(np.asarray(got), a64.astype(np.float64) @ b64, rtol=0, atol=1e-4)
-
-
-# Attention's contractions, with operands laid out as the backends pass them.
-EINSUMS = [
-    ("btkgh,bskh->bkgts", (2, 40, 3, 2, 32), (2, 48, 3, 32)),  # both operands transposed
-    ("bkgts,bskh->bkgth", (2, 3, 2, 40, 48), (2, 48, 3, 32)),
-    ("bkgth,bkhs->bkgts", (2, 3, 1, 80, 32), (2, 3, 32, 48)),  # already [batch, M, K], [batch, K, N]
-    ("bkhgt,bkgts->bkhs", (2, 3, 32, 1, 80), (2, 3, 1, 80, 48)),  # x as [batch, K, M]
-    ("bkgts,btkgh->bskh", (2, 3, 2, 40, 48), (2, 40, 3, 2, 32)),
-]
-
-
-@pytest.mark.parametrize("equation, x_shape, y_shape", EINSUMS)
-def test_einsum_value_and_gradients_match_jnp_einsum(equation, x_shape, y_shape):
-  x = jax.random.normal(jax.random.key(0), x_shape)
-  y = jax.random.normal(jax.random.key(1), y_shape)
-
-  def loss(einsum):
-    return lambda x, y: jnp.sum(jnp.sin(einsum(equation, x, y)))
-
-  expected = jax.jit(jax.value_and_grad(loss(jnp.einsum), argnums=(0, 1)))(x, y)
-  fn = jax.jit(jax.value_and_grad(loss(cpu_einsum.einsum), argnums=(0, 1)))
-  assert len(_hlo_calls(fn.lower(x, y).compile().as_text())) == 3  # out, dx, dy
-  for a, b in zip(jax.tree.leaves(fn(x, y)), jax.tree.leaves(expected)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5)
-
-
-def test_einsum_under_a_batch_split_mesh_runs_per_device():
-  mesh = _mesh(fsdp=2)
-  equation, x_shape, y_shape = EINSUMS[1]
-  x = jax.random.normal(jax.random.key(0), x_shape)
-  y = jax.random.normal(jax.random.key(1), y_shape)
-  batch = NamedSharding(mesh, P(("data", "fsdp")))
-  x_sharded, y_sharded = jax.device_put(x, batch), jax.device_put(y, batch)
-
-  def fn(x, y):
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      return cpu_einsum.einsum(equation, x, y)
-
-  compiled = jax.jit(fn).lower(x_sharded, y_sharded).compile()
-  (call,) = _hlo_calls(compiled.as_text())
-  assert "f32[3,80,32]" in call  # one example of 2 per device: [k, (g t), h]
-  np.testing.assert_allclose(
-      np.asarray(compiled(x_sharded, y_sharded)), np.asarray(jnp.einsum(equation, x, y)),
-      rtol=2e-5, atol=2e-5,
-  )
-
-
-@pytest.mark.parametrize(
-    "equation, x_shape, y_shape",
-    [
-        ("bkgth,bskh->bkgts", (2, 3, 1, 1, 32), (2, 48, 3, 32)),  # one query: a decoding step
-        ("ij,jk->ik", (8, 8), (8, 8)),  # under a MFLOP
-        ("ij,jk->i", (64, 64), (64, 64)),  # a letter summed away on one side only
-        ("ii,ik->ik", (64, 64), (64, 64)),  # a repeated letter
-    ],
-)
-def test_einsum_leaves_what_is_not_a_batched_matrix_product_to_xla(equation, x_shape, y_shape):
-  x, y = jnp.ones(x_shape), jnp.ones(y_shape)
-  fn = jax.jit(lambda x, y: cpu_einsum.einsum(equation, x, y))
-  assert cpu_gemm.TARGET not in fn.lower(x, y).as_text()
-  np.testing.assert_allclose(np.asarray(fn(x, y)), np.asarray(jnp.einsum(equation, x, y)))
 
 
 @pytest.mark.parametrize("vendor, expected", [("GenuineIntel", True), ("AuthenticAMD", False)])
