@@ -8,21 +8,17 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from tests.layers import mkl
+from tests.layers.mkl import mkl_on_any_cpu  # noqa: F401 (autouse: MKL on any CPU)
 from tx_jax.layers import cpu_gemm
 from tx_jax.layers.attention_backends import dense, dense_attention
 from tx_jax.layers.attention_spec import AttentionSpec
 from tx_jax.layers.positions import AlibiBias, RelativeBias, alibi_slopes
 
-pytestmark = pytest.mark.skipif(
-    cpu_gemm._load() is not None, reason=f"MKL's GEMM unavailable here: {cpu_gemm._load()}"
-)
+
+pytestmark = mkl.requires_mkl
 
 RNG = np.random.default_rng(0)
-
-
-@pytest.fixture(autouse=True)
-def _mkl_on_any_cpu(monkeypatch):
-  monkeypatch.setenv(cpu_gemm.ENV, "mkl")
 
 
 def _normal(*shape):

@@ -9,30 +9,14 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from tests.layers import mkl
+from tests.layers.mkl import mkl_on_any_cpu  # noqa: F401 (autouse: MKL on any CPU)
 from tx_jax.layers import cpu_einsum, cpu_gemm
 
-pytestmark = pytest.mark.skipif(
-    cpu_gemm._load() is not None, reason=f"MKL's GEMM unavailable here: {cpu_gemm._load()}"
-)
+
+pytestmark = mkl.requires_mkl
 
 RNG = np.random.default_rng(0)
-MESH_AXES = ("data", "fsdp", "sequence", "tensor")
-
-
-@pytest.fixture(autouse=True)
-def _mkl_on_any_cpu(monkeypatch):
-  """`auto` keeps XLA's dot on CPUs other than Intel's; these tests are about the MKL path."""
-  monkeypatch.setenv(cpu_gemm.ENV, "mkl")
-
-
-def _mesh(**sizes):
-  shape = tuple(sizes.get(name, 1) for name in MESH_AXES)
-  devices = np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape)
-  return Mesh(devices, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
-
-
-def _hlo_calls(compiled_text: str) -> list[str]:
-  return [line for line in compiled_text.splitlines() if f'"{cpu_gemm.TARGET}"' in line]
 
 
 def _normal(*shape):
@@ -59,13 +43,13 @@ def test_einsum_value_and_gradients_match_jnp_einsum(equation, x_shape, y_shape)
 
   expected = jax.jit(jax.value_and_grad(loss(jnp.einsum), argnums=(0, 1)))(x, y)
   fn = jax.jit(jax.value_and_grad(loss(cpu_einsum.einsum), argnums=(0, 1)))
-  assert len(_hlo_calls(fn.lower(x, y).compile().as_text())) == 3  # out, dx, dy
+  assert len(mkl.hlo_calls(fn.lower(x, y).compile().as_text())) == 3  # out, dx, dy
   for a, b in zip(jax.tree.leaves(fn(x, y)), jax.tree.leaves(expected)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5)
 
 
 def test_einsum_under_a_batch_split_mesh_runs_per_device():
-  mesh = _mesh(fsdp=2)
+  mesh = mkl.mesh(fsdp=2)
   equation, x_shape, y_shape = EINSUMS[1]
   x = jax.random.normal(jax.random.key(0), x_shape)
   y = jax.random.normal(jax.random.key(1), y_shape)
@@ -77,7 +61,7 @@ def test_einsum_under_a_batch_split_mesh_runs_per_device():
       return cpu_einsum.einsum(equation, x, y)
 
   compiled = jax.jit(fn).lower(x_sharded, y_sharded).compile()
-  (call,) = _hlo_calls(compiled.as_text())
+  (call,) = mkl.hlo_calls(compiled.as_text())
   assert "f32[3,80,32]" in call  # one example of 2 per device: [k, (g t), h]
   np.testing.assert_allclose(
       np.asarray(compiled(x_sharded, y_sharded)), np.asarray(jnp.einsum(equation, x, y)),

@@ -8,32 +8,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from tests.layers import mkl
+from tests.layers.mkl import mkl_on_any_cpu  # noqa: F401 (autouse: MKL on any CPU)
 from tx_jax.layers import cpu_gemm, linear
 
-pytestmark = pytest.mark.skipif(
-    cpu_gemm._load() is not None, reason=f"MKL's GEMM unavailable here: {cpu_gemm._load()}"
-)
 
-MESH_AXES = ("data", "fsdp", "sequence", "tensor")
-
-
-@pytest.fixture(autouse=True)
-def _mkl_on_any_cpu(monkeypatch):
-  """`auto` keeps XLA's dot on CPUs other than Intel's; these tests are about the MKL path."""
-  monkeypatch.setenv(cpu_gemm.ENV, "mkl")
-
-
-def _mesh(**sizes):
-  shape = tuple(sizes.get(name, 1) for name in MESH_AXES)
-  devices = np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape)
-  return Mesh(devices, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
-
-
-def _hlo_calls(compiled_text: str) -> list[str]:
-  return [line for line in compiled_text.splitlines() if f'"{cpu_gemm.TARGET}"' in line]
+pytestmark = mkl.requires_mkl
 
 
 # (m, k, n): one element; empty output; an empty contraction; a block split that does not
@@ -73,7 +56,7 @@ def test_project_value_and_gradients_match_xla_dot(x_shape, w_shape, in_dims):
   expected = jax.jit(jax.value_and_grad(_loss(_xla_project, in_dims), argnums=(0, 1)))(x, w)
   fn = jax.value_and_grad(_loss(linear.project, in_dims), argnums=(0, 1))
   got = jax.jit(fn)(x, w)
-  assert len(_hlo_calls(jax.jit(fn).lower(x, w).compile().as_text())) == 3  # y, dx, dkernel
+  assert len(mkl.hlo_calls(jax.jit(fn).lower(x, w).compile().as_text())) == 3  # y, dx, dkernel
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
@@ -84,7 +67,7 @@ def test_a_kernel_stored_transposed_is_read_in_place_forward_and_backward(under_
   x = jax.random.normal(jax.random.key(0), (4, 64, 6))  # 128 rows per device on 2
   table = jax.random.normal(jax.random.key(1), (33, 6))
   expected = jax.jit(jax.value_and_grad(_loss(_xla_project, 1), argnums=(0, 1)))(x, table.T)
-  mesh = _mesh(data=2)
+  mesh = mkl.mesh(data=2)
 
   def step(x, table):
     loss = lambda x, table: jnp.sum(jnp.sin(linear.project(x, table, 1, kernel_transposed=True)))  # noqa: E731
@@ -96,7 +79,7 @@ def test_a_kernel_stored_transposed_is_read_in_place_forward_and_backward(under_
   if under_mesh:
     x = jax.device_put(x, NamedSharding(mesh, P("data")))
   compiled = jax.jit(step).lower(x, table).compile()
-  assert len(_hlo_calls(compiled.as_text())) == 3
+  assert len(mkl.hlo_calls(compiled.as_text())) == 3
   assert " transpose(" not in compiled.as_text() and "transpose_" not in compiled.as_text()
   value, (dx, dtable) = compiled(x, table)
   want_value, (want_dx, want_dkernel) = expected
@@ -107,7 +90,7 @@ def test_a_kernel_stored_transposed_is_read_in_place_forward_and_backward(under_
 
 def test_project_under_a_batch_split_mesh_runs_per_device_and_sums_the_kernel_gradient():
   """fsdp=2, data=2: each device multiplies its quarter of the rows; dkernel is all-reduced."""
-  mesh = _mesh(data=2, fsdp=2)
+  mesh = mkl.mesh(data=2, fsdp=2)
   x = jax.random.normal(jax.random.key(0), (8, 64, 6))
   w = jax.random.normal(jax.random.key(1), (6, 10))
   expected = jax.jit(jax.value_and_grad(_loss(_xla_project, 1), argnums=(0, 1)))(x, w)
@@ -119,7 +102,7 @@ def test_project_under_a_batch_split_mesh_runs_per_device_and_sums_the_kernel_gr
   x_sharded = jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp"))))
   w_sharded = jax.device_put(w, NamedSharding(mesh, P("fsdp")))
   compiled = jax.jit(step).lower(x_sharded, w_sharded).compile()
-  calls = _hlo_calls(compiled.as_text())
+  calls = mkl.hlo_calls(compiled.as_text())
   assert len(calls) == 3
   # 8 x 64 = 512 rows over 4 devices: every call sees x, or dx, as 128 rows of 6.
   assert all("f32[128,6]" in line and "f32[512," not in line for line in calls)
@@ -130,7 +113,7 @@ def test_project_under_a_batch_split_mesh_runs_per_device_and_sums_the_kernel_gr
 
 def test_tensor_parallel_meshes_and_indivisible_batches_keep_xla_dot():
   x, w = jnp.ones((3, 128, 6)), jnp.ones((6, 8))
-  for mesh in (_mesh(tensor=2), _mesh(fsdp=2)):  # a split kernel; 3 rows over 2 devices
+  for mesh in (mkl.mesh(tensor=2), mkl.mesh(fsdp=2)):  # a split kernel; 3 rows over 2 devices
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
       assert cpu_gemm.batch_axes(x, 1) is None
       text = jax.jit(lambda x, w: linear.project(x, w, 1)).lower(x, w).as_text()
