@@ -144,7 +144,7 @@ def test_in_place_einsum_under_a_batch_split_mesh_runs_per_device():
       return cpu_einsum.in_place_einsum(equation, x, y, batch=batch, sizes=sizes, starts=starts)
 
   compiled = jax.jit(fn).lower(jax.device_put(x, rows), jax.device_put(y, rows)).compile()
-  (call,) = [line for line in compiled.as_text().splitlines() if cpu_gemm.STRIDED_TARGET in line]
+  (call,) = mkl.hlo_calls(compiled.as_text(), cpu_gemm.STRIDED_TARGET)
   assert "f32[1,2,3,32,64]" in call  # one example per device
   np.testing.assert_allclose(
       np.asarray(compiled(jax.device_put(x, rows), jax.device_put(y, rows))),
