@@ -52,6 +52,11 @@ def model_config() -> ml_collections.ConfigDict:
   # device), "cudnn" (jax.nn fused kernel, NVIDIA GPU, bf16/fp16), "pallas" (JAX's Pallas
   # flash kernel, GPU; self-attention without bias or window)
   m.attention_backend = "dense"
+  # Kernels behind the layers' one seam (tx_jax/layers/ops.py): "plain" (JAX ops under
+  # autodiff, every platform) or "cpu" (opt-in XLA:CPU tuning, tx_jax/cpu: MKL with the
+  # cpu-mkl extra, custom VJPs, chunked causal `dense`). "cpu" is reverse-mode only: its
+  # custom VJPs make jax.jvp / jax.linearize fail
+  m.kernels = "plain"
   # Self-attention's projections stacked: q, k, v as one [D, 3, N, H] kernel "qkv" (GPT-2
   # stores its c_attn this way too), or with fewer kv heads q alone and k, v as one
   # [D, 2, K, H] "kv". Fewer, wider GEMMs; HF import/export map both layouts

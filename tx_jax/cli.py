@@ -201,11 +201,4 @@ def run(main: Callable[[list[str]], int | None]) -> None:
   (tx_jax.host_memory: XLA:CPU's per-step buffers otherwise cost a page fault per 4 KiB).
   """
   host_memory.reuse_freed_memory()
-  from tx_jax.layers import cpu_gemm  # pylint: disable=g-import-not-at-top
-
-  try:  # read at every trace; a typo should stop the command before anything is built
-    cpu_gemm.setting()
-  except ValueError as e:
-    print(f"error: {e}", file=sys.stderr, flush=True)
-    sys.exit(USAGE)
   app.run(guarded(main), flags_parser=_parse_flags)

@@ -120,9 +120,9 @@ def attention_backend_supported(config: ml_collections.ConfigDict) -> None:
   """The model's features against config.model.attention_backend's, on any machine.
 
   The backends raise the same at trace time, after the workdir is written: checked here
-  first, from the limits `layers.attention_backends` declares.
+  first, from the limits `layers.attention.backends` declares.
   """
-  from tx_jax.layers import attention_backends as ab  # pylint: disable=g-import-not-at-top
+  from tx_jax.layers.attention import backends as ab  # pylint: disable=g-import-not-at-top
 
   m = config.model
   backend = m.attention_backend
@@ -152,7 +152,7 @@ def attention_backend_supported(config: ml_collections.ConfigDict) -> None:
 
 def attention_backend_runs_here(config: ml_collections.ConfigDict, platform: str) -> None:
   """GPU-only backends refused on another platform (JAX's default backend name)."""
-  from tx_jax.layers import attention_backends as ab  # pylint: disable=g-import-not-at-top
+  from tx_jax.layers.attention import backends as ab  # pylint: disable=g-import-not-at-top
 
   backend = config.model.attention_backend
   if backend in ab.GPU_ONLY_BACKENDS and platform != "gpu":

@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tx_jax.layers import masks
+from tests.layers import masks
 from tx_jax.layers.attention import MultiHeadAttention
-from tx_jax.layers.attention_backends import dense_attention
-from tx_jax.layers.attention_spec import AttentionSpec
+from tx_jax.layers.attention.dense import dense_attention
+from tx_jax.layers.attention import AttentionSpec
 
 B, T, D, N, H = 2, 6, 16, 4, 8
 
@@ -105,7 +105,7 @@ def test_module_equals_numpy_projections(num_kv_heads):
   """Full layer (projections + attention + output) against numpy; K<N is GQA/MQA."""
   module, p, x = _module_and_params(num_kv_heads)
   spec = _causal_packing_spec()
-  mask = spec.mask()[:, None]
+  mask = spec.mask()
   out = module.apply({"params": p}, x, spec=spec)
   xn = np.asarray(x, np.float64)
   proj = lambda name: np.einsum("btd,dnh->btnh", xn, np.asarray(p[name]["kernel"])) + np.asarray(

@@ -1,8 +1,8 @@
 """Every attention backend equals `dense`, forward and gradients (q, k, v, bias parameters),
 for every mask kind, GQA/MQA, T5 relative bias and ALiBi, on lengths that the block sizes
-do not divide; `dense` itself (hand-written VJP, causal query chunks) equals autodiff of
-`dense_attention` (checked against numpy in test_attention.py); and `AttentionSpec`
-materialises the same mask and bias as an independent numpy construction of the rules."""
+do not divide (the reference, `dense`, is checked against numpy in test_attention.py); and
+`AttentionSpec` materialises the same mask and bias as an independent numpy construction of
+the rules."""
 
 import functools
 
@@ -11,17 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tx_jax.layers import masks
-from tx_jax.layers.attention_backends import (
-    BACKENDS,
-    _causal_chunk_bounds,
-    dense,
-    dense_attention,
-    get_backend,
-)
-from tx_jax.layers.attention_spec import AttentionSpec
-from tx_jax.layers.blockwise_attention import blockwise_attention
-from tx_jax.layers.pallas_attention import pallas_attention
+from tests.layers import masks
+from tx_jax.layers import ops
+from tx_jax.layers.attention import BACKENDS, AttentionSpec, get_backend
+from tx_jax.layers.attention.dense import dense, dense_attention
+from tx_jax.layers.attention.blockwise import blockwise_attention
+from tx_jax.layers.attention.pallas import pallas_attention
 from tx_jax.layers.positions import (
     AlibiBias,
     RelativeBias,
@@ -118,7 +113,7 @@ def _loss_and_grads(attend, spec, q, k, v):
 
 def _autodiff_dense(q, k, v, spec, *, scale):
   """The reference: `dense_attention` on the spec's whole mask and bias, under autodiff."""
-  return dense_attention(q, k, v, spec.mask()[:, None], spec.bias_logits(), scale=scale)
+  return dense_attention(q, k, v, spec.mask(), spec.bias_logits(), scale=scale)
 
 
 def _assert_equal_to_dense(attend, spec, q, k, v, atol=2e-5, reference=dense):
@@ -135,8 +130,10 @@ def _assert_equal_to_dense(attend, spec, q, k, v, atol=2e-5, reference=dense):
 
 
 def _blockwise(block_q=4, block_k=3):
-  def attend(q, k, v, spec, *, scale):
-    return blockwise_attention(q, k, v, spec, scale=scale, block_q=block_q, block_k=block_k)
+  def attend(q, k, v, spec, *, scale, kernels=ops.get("plain")):
+    return blockwise_attention(
+        q, k, v, spec, scale=scale, block_q=block_q, block_k=block_k, kernels=kernels
+    )
 
   return attend
 
@@ -173,56 +170,18 @@ def test_blockwise_any_block_size(blocks):
   _assert_equal_to_dense(_blockwise(*blocks), spec, *_qkv(2))
 
 
-def _dense_in_chunks(query_chunks):
-  return functools.partial(dense, query_chunks=query_chunks)
-
-
-# None: the default (one chunk at T = 11); 3: chunks of 4, 3, 4 queries; T: one query each.
-@pytest.mark.parametrize("query_chunks", [None, 3, T])
-@pytest.mark.parametrize("kind,num_kv_heads", MASK_CASES)
-def test_dense_equals_autodiff_of_the_reference(kind, num_kv_heads, query_chunks):
-  spec = _spec(kind)
-  q, k, v = _qkv(num_kv_heads, key_length=S if kind == "cross" else T)
-  _assert_equal_to_dense(
-      _dense_in_chunks(query_chunks), spec, q, k, v, reference=_autodiff_dense
-  )
-
-
-@pytest.mark.parametrize(
-    "kind,bias_kind,num_kv_heads",
-    [("none", "t5", N), ("causal+packing", "t5", 2), ("causal", "alibi", 1)],
-)
-def test_dense_equals_autodiff_of_the_reference_with_bias(kind, bias_kind, num_kv_heads):
-  spec = _spec(kind, bias_kind)
-  _assert_equal_to_dense(_dense_in_chunks(3), spec, *_qkv(num_kv_heads), reference=_autodiff_dense)
-
-
-@pytest.mark.parametrize("kind", ["none", "causal+packing", "cross"])
-def test_dense_forward_is_bit_identical_to_the_reference(kind):
-  """One chunk runs the reference's very softmax; only the backward is hand-written."""
-  spec = _spec(kind)
-  q, k, v = _qkv(2, key_length=S if kind == "cross" else T)
-  got = jax.jit(_dense_in_chunks(1), static_argnames="scale")(q, k, v, spec, scale=SCALE)
-  want = jax.jit(_autodiff_dense, static_argnames="scale")(q, k, v, spec, scale=SCALE)
-  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-
-
-def test_dense_chunks_only_causal_self_attention():
-  long_causal = AttentionSpec.self_attention(jnp.ones((1, 256), jnp.int32), causal=True)
-  assert _causal_chunk_bounds(long_causal, None) == [0, 64, 128, 192, 256]
-  assert _causal_chunk_bounds(long_causal.replace(causal=False), None) == [0, 256]
-  # Indices given by the caller: key order need not be query order, so no chunks.
-  custom_index = AttentionSpec.self_attention(
-      jnp.ones((1, 256), jnp.int32), causal=True, index_BT=jnp.zeros((1, 256), jnp.int32)
-  )
-  assert _causal_chunk_bounds(custom_index, None) == [0, 256]
-  assert _causal_chunk_bounds(_spec("causal"), None) == [0, T]  # shorter than two chunks
+@pytest.mark.parametrize("kernels", ["plain", "cpu"])
+def test_blockwise_equals_dense_under_every_kernel_set(kernels):
+  """The `blockwise` backend's contractions go through the kernel set's einsum."""
+  spec = _spec("causal+packing", "t5")
+  attend = functools.partial(_blockwise(), kernels=ops.get(kernels))
+  _assert_equal_to_dense(attend, spec, *_qkv(2))
 
 
 def test_rows_with_no_visible_key_give_zero():
   spec = _spec("cross")
   q, k, v = _qkv(2, key_length=S)
-  empty_BT = ~np.asarray(spec.mask()).any(-1)
+  empty_BT = ~np.asarray(spec.mask()[:, 0]).any(-1)
   assert empty_BT.any()  # the case is really there
   for name in ("dense", "blockwise"):
     attend = jax.jit(get_backend(name), static_argnames="scale")
@@ -288,7 +247,7 @@ def test_spec_mask_and_bias_match_the_rules_in_numpy():
       for s in range(T):
         mask[b, t, s] = seg[b, t] == seg[b, s] != 0 and 0 <= t - s < 3
         bias[b, :, t, s] = -np.asarray(SLOPES) * abs(pos[b, t] - pos[b, s])
-  np.testing.assert_array_equal(np.asarray(spec.mask()), mask)
+  np.testing.assert_array_equal(np.asarray(spec.mask()[:, 0]), mask)
   np.testing.assert_allclose(np.asarray(spec.bias_logits()), bias, rtol=1e-6)
 
 
@@ -299,7 +258,7 @@ def test_spec_equals_the_tensor_builders():
   idx = jnp.broadcast_to(jnp.arange(T), (B, T))
   spec = AttentionSpec.self_attention(seg, pos, causal=True, bias=AlibiBias(SLOPES))
   want = masks.combine(masks.segment_mask(seg, seg), masks.causal_mask(idx, idx))
-  np.testing.assert_array_equal(np.asarray(spec.mask()[:, None]), np.asarray(want))
+  np.testing.assert_array_equal(np.asarray(spec.mask()), np.asarray(want))
   np.testing.assert_allclose(spec.bias_logits(), alibi_bias(pos, pos, N), rtol=1e-6)
   module = RelativePositionBias(num_heads=N, num_buckets=8, max_distance=16, bidirectional=False)
   described = module.apply({"params": {"rel_embedding": TABLE}})
@@ -312,7 +271,7 @@ def test_spec_equals_the_tensor_builders():
 def test_blocks_of_the_spec_are_blocks_of_the_mask():
   spec = _spec("causal+packing", "t5")
   block = spec.queries(4, 5).keys(2, 6)
-  np.testing.assert_array_equal(block.mask(), spec.mask()[:, 4:9, 2:8])
+  np.testing.assert_array_equal(block.mask(), spec.mask()[:, :, 4:9, 2:8])
   np.testing.assert_allclose(block.bias_logits(), spec.bias_logits()[:, :, 4:9, 2:8])
 
 

@@ -15,8 +15,8 @@ import optax
 import pytest
 
 from tests.models.variants import VARIANTS
-from tx_jax.layers import attention_backends
-from tx_jax.layers.blockwise_attention import blockwise_attention
+from tx_jax.layers.attention import backends as attention_backends
+from tx_jax.layers.attention.blockwise import blockwise_attention
 from tx_jax.models import build, model_inputs
 from tx_jax.train.losses import loss_sums
 

@@ -19,8 +19,9 @@ import pytest
 
 from tests.layers.test_attention_models import FAMILIES, _train_losses
 from tests.models.variants import VARIANTS
-from tx_jax.layers.attention_backends import BACKENDS, dense
-from tx_jax.layers.attention_spec import AttentionSpec
+from tx_jax.layers.attention import BACKENDS
+from tx_jax.layers.attention.dense import dense
+from tx_jax.layers.attention import AttentionSpec
 from tx_jax.layers.positions import AlibiBias, RelativeBias, alibi_slopes
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tx_jax.layers import axes, cpu_gemm
+from tx_jax.layers import axes, ops
 from tx_jax.layers.embed import Embed
-from tx_jax.layers.linear import Linear, project
+from tx_jax.layers.linear import Linear
 from tx_jax.layers.mlp import GatedMlp, Mlp
 from tx_jax.layers.norms import NormSpec, make_norm
 
@@ -78,12 +78,14 @@ def _flax_norm(kind: str, use_bias: bool) -> nn.Module:
   return nn.LayerNorm(epsilon=1e-5, use_bias=use_bias, dtype=jnp.float32)
 
 
+@pytest.mark.parametrize("kernels", ["plain", "cpu"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("kind,use_bias", [("layernorm", True), ("layernorm", False), ("rmsnorm", False)])
-def test_norm_is_flax_bit_for_bit_and_its_backward_is_flax_autodiff(kind, use_bias, dtype):
-  """The hand-written VJP (norms.normalize) against autodiff of flax's module, on params
-  that are not the initial ones and inputs with a large mean (the fast variance's worst case)."""
-  ours = make_norm(NormSpec(kind, eps=1e-5, use_bias=use_bias))
+def test_norm_is_flax_bit_for_bit_and_its_backward_is_flax_autodiff(kind, use_bias, dtype, kernels):
+  """Under each kernel set (plain: autodiff; cpu: a hand-written VJP) against autodiff of
+  flax's module, on params that are not the initial ones and inputs with a large mean (the
+  fast variance's worst case)."""
+  ours = make_norm(NormSpec(kind, eps=1e-5, use_bias=use_bias, kernels=kernels))
   reference = _flax_norm(kind, use_bias)
   rng = np.random.default_rng(1)
   x = jnp.asarray(rng.standard_normal((3, 5, 24)) * 2 + 3, dtype)
@@ -139,12 +141,8 @@ def test_linear_contracts_trailing_dims_with_a_boxed_full_rank_kernel():
 
 
 @pytest.mark.parametrize("use_bias", [True, False])
-def test_linear_is_nn_dense_bit_for_bit(use_bias, monkeypatch):
-  """Same parameter names, init and output as flax's nn.Dense (checkpoints stay loadable).
-
-  Bit for bit with XLA's dot, which nn.Dense uses; MKL's GEMM (cpu_gemm) rounds its own way.
-  """
-  monkeypatch.setenv(cpu_gemm.ENV, "xla")
+def test_linear_is_nn_dense_bit_for_bit(use_bias):
+  """Same parameter names, init and output as flax's nn.Dense (checkpoints stay loadable)."""
   init = nn.initializers.normal(0.3)
   ours = Linear(6, ("embed", "vocab"), use_bias=use_bias, kernel_init=init)
   dense = nn.Dense(6, use_bias=use_bias, kernel_init=init)
@@ -168,8 +166,10 @@ def test_linear_is_nn_dense_bit_for_bit(use_bias, monkeypatch):
         ((2, 3, 2, 4), (2, 4, 8), 2),  # equal widths over two dims (attention's out)
     ],
 )
-def test_project_gradients_equal_numpy(x_shape, kernel_shape, in_dims):
+@pytest.mark.parametrize("kernels", ["plain", "cpu"])
+def test_project_gradients_equal_numpy(x_shape, kernel_shape, in_dims, kernels):
   """y = x·W; for a loss Σ y·c: dx = c·Wᵀ and dW = Σ_batch x ⊗ c, whichever backward runs."""
+  project = ops.get(kernels).project
   rng = np.random.default_rng(1)
   x, kernel = rng.standard_normal(x_shape), rng.standard_normal(kernel_shape)
   cot = rng.standard_normal(x_shape[: len(x_shape) - in_dims] + kernel_shape[in_dims:])
@@ -182,9 +182,11 @@ def test_project_gradients_equal_numpy(x_shape, kernel_shape, in_dims):
   np.testing.assert_allclose(np.asarray(dw), (x2.T @ c2).reshape(kernel_shape), rtol=1e-5, atol=1e-5)
 
 
-def test_project_keeps_autodiffs_dtypes_with_a_float32_accumulator():
-  """bf16 operands with float32 logits (the tied output embedding): the hand-written backward
-  returns what autodiff of the same dot_general returns, bit for bit."""
+@pytest.mark.parametrize("kernels", ["plain", "cpu"])
+def test_project_keeps_autodiffs_dtypes_with_a_float32_accumulator(kernels):
+  """bf16 operands with float32 logits (the tied output embedding): each kernel set's
+  backward returns what autodiff of the same dot_general returns, bit for bit."""
+  project = ops.get(kernels).project
   rng = np.random.default_rng(2)
   x = jnp.asarray(rng.standard_normal((2, 3, 4)), jnp.bfloat16)
   kernel = jnp.asarray(rng.standard_normal((4, 16)), jnp.bfloat16)

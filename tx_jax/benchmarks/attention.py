@@ -38,8 +38,8 @@ def attention_fn(backend: str, causal: bool = True):
   """(q_BTNH, k_BSNH, v_BSNH) -> out_BTNH through tx_jax's `backend`, causal by index."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
-  from tx_jax.layers import attention_backends  # pylint: disable=g-import-not-at-top
-  from tx_jax.layers.attention_spec import AttentionSpec  # pylint: disable=g-import-not-at-top
+  from tx_jax.layers.attention import backends as attention_backends  # pylint: disable=g-import-not-at-top
+  from tx_jax.layers.attention import AttentionSpec  # pylint: disable=g-import-not-at-top
 
   attend = attention_backends.get_backend(backend)
 
@@ -129,7 +129,7 @@ def sweep(backends, lengths, dtype: str, repeats: int, heads: int, head_dim: int
 
 def run(options: Options) -> dict:
   """The `attention` section's JSON (CPU: dense and blockwise, float32, 512 -> 16k)."""
-  from tx_jax.layers import attention_backends  # pylint: disable=g-import-not-at-top
+  from tx_jax.layers.attention import backends as attention_backends  # pylint: disable=g-import-not-at-top
 
   backends = [b for b in CPU_BACKENDS if b in attention_backends.BACKENDS]
   if options.smoke:
@@ -137,7 +137,7 @@ def run(options: Options) -> dict:
   result = sweep(backends, LENGTHS, "float32", 2, HEADS, HEAD_DIM)
   missing = sorted(set(CPU_BACKENDS) - set(backends))
   if missing:
-    result["note"] = f"backends {missing} are not in tx_jax.layers.attention_backends yet"
+    result["note"] = f"backends {missing} are not in tx_jax.layers.attention.backends yet"
   return result
 
 

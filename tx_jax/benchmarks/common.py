@@ -166,16 +166,18 @@ class MatmulPeak:
 
   REPEATS = 10
 
-  def __init__(self, framework: str, size: int):
+  def __init__(self, framework: str, size: int, kernels: str = "plain"):
     self.size, self.flops = size, []
-    self._gemm = gemm_callable(framework, size, size, size)
+    self._gemm = gemm_callable(framework, size, size, size, kernels)
 
   def __call__(self) -> None:
     best = min(seconds(self._gemm) for _ in range(self.REPEATS))
     self.flops.append(2.0 * self.size**3 / best)
 
 
-def gemm_callable(framework: str, m: int, k: int, n: int) -> Callable[[], Any]:
+def gemm_callable(
+    framework: str, m: int, k: int, n: int, kernels: str = "plain"
+) -> Callable[[], Any]:
   """One fp32 [m, k] @ [k, n] GEMM in `framework` ('jax' or 'torch'), its inputs made and
   its first call (compile, first touch) done; each call runs it and waits for it."""
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -186,11 +188,12 @@ def gemm_callable(framework: str, m: int, k: int, n: int) -> Callable[[], Any]:
     import jax  # pylint: disable=g-import-not-at-top
     import jax.numpy as jnp
 
-    from tx_jax.layers import linear  # pylint: disable=g-import-not-at-top
+    from tx_jax.layers import ops  # pylint: disable=g-import-not-at-top
 
-    # 'jax': the product tx_jax's models run (linear.project: MKL's GEMM on CPU where it
-    # applies, tx_jax/layers/cpu_gemm.py); 'xla': XLA's own dot.
-    fn = (lambda a, b: linear.project(a, b, 1)) if framework == "jax" else jnp.matmul
+    # 'jax': the product tx_jax's models run with `kernels` (MKL's GEMM under "cpu" where
+    # the cpu-mkl extra is installed); 'xla': XLA's own dot.
+    project = ops.get(kernels).project
+    fn = (lambda a, b: project(a, b, 1)) if framework == "jax" else jnp.matmul
     a, b, matmul = jnp.asarray(a), jnp.asarray(b), jax.jit(fn)
     gemm = lambda: matmul(a, b).block_until_ready()  # noqa: E731
   elif framework == "torch":

@@ -68,7 +68,7 @@ def run_train(options: Options) -> dict:
   """bf16 train steps with MFU against 989 TFLOP/s."""
   import jax  # pylint: disable=g-import-not-at-top
 
-  from tx_jax.layers import attention_backends  # pylint: disable=g-import-not-at-top
+  from tx_jax.layers.attention import backends as attention_backends  # pylint: disable=g-import-not-at-top
 
   on_gpu = jax.default_backend() == "gpu"
   backend = ATTENTION_BACKEND if on_gpu and ATTENTION_BACKEND in attention_backends.BACKENDS else "dense"
@@ -84,7 +84,7 @@ def run_train(options: Options) -> dict:
 
 def run_attention(options: Options) -> dict:
   """cudnn / pallas / blockwise (and dense, where it fits) attention, bf16, 4k-32k."""
-  from tx_jax.layers import attention_backends  # pylint: disable=g-import-not-at-top
+  from tx_jax.layers.attention import backends as attention_backends  # pylint: disable=g-import-not-at-top
 
   backends = [b for b in GPU_BACKENDS if b in attention_backends.BACKENDS]
   if options.smoke:

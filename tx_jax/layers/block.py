@@ -15,9 +15,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from tx_jax.layers import axes
-from tx_jax.layers.attention import MultiHeadAttention
-from tx_jax.layers.attention_spec import AttentionSpec
+from tx_jax.layers import axes, ops
+from tx_jax.layers.attention import AttentionSpec, MultiHeadAttention
 from tx_jax.layers.mlp import GatedMlp, Mlp
 from tx_jax.layers.norms import NormSpec, make_norm, residual
 
@@ -52,6 +51,7 @@ class LayerSpec:
   mlp_inner_dropout_rate: float = 0.0
   attention_backend: str = "dense"
   fused_qkv: bool = False  # self-attention from stacked q, k, v kernels (MultiHeadAttention)
+  kernels: str = ops.PLAIN  # the `layers.ops` kernel set of every projection and attention
   cross_attention: bool = False
   kernel_init: Any = nn.initializers.lecun_normal()
   output_init: Any = None
@@ -93,6 +93,7 @@ class TransformerLayer(nn.Module):
           output_init=s.output_init,
           dtype=s.dtype,
           param_dtype=s.param_dtype,
+          kernels=s.kernels,
           name=name,
       )
 
@@ -132,6 +133,7 @@ class TransformerLayer(nn.Module):
         output_init=s.output_init,
         dtype=s.dtype,
         param_dtype=s.param_dtype,
+        kernels=s.kernels,
         name="mlp",
     )
     x_BTD = residual(

@@ -5,8 +5,8 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
+from tx_jax.layers import ops
 from tx_jax.layers.axes import EMBED, VOCAB
-from tx_jax.layers.linear import project
 
 Array = jnp.ndarray
 
@@ -20,6 +20,7 @@ class Embed(nn.Module):
   embedding_init: nn.initializers.Initializer = nn.initializers.normal(0.02)
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
+  kernels: str = ops.PLAIN  # which `layers.ops` kernel set multiplies in `attend`
 
   def setup(self):
     self.embedding = self.param(
@@ -33,13 +34,8 @@ class Embed(nn.Module):
     return jnp.take(self.embedding, ids_BT, axis=0).astype(self.dtype)
 
   def attend(self, x_BTD: Array) -> Array:
-    """Tied output logits x·Eᵀ, accumulated and returned in float32.
-
-    Through `linear.project`, whose backward forms E's gradient by transposing x rather
-    than the [B, T, V] logits gradient. E goes in as stored, [V, D]: on CPU, MKL reads it
-    transposed in place (a [D, V] copy each way cost 13 ms of the bench step).
-    """
-    return project(
+    """Tied output logits x·Eᵀ, accumulated and returned in float32; E is read as stored."""
+    return ops.get(self.kernels).project(
         x_BTD.astype(self.dtype),
         self.embedding.astype(self.dtype),
         1,

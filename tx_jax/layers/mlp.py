@@ -7,7 +7,7 @@ from typing import Callable
 import flax.linen as nn
 import jax.numpy as jnp
 
-from tx_jax.layers import axes
+from tx_jax.layers import axes, ops
 from tx_jax.layers.linear import Linear
 
 Array = jnp.ndarray
@@ -38,6 +38,7 @@ class _FeedForward(nn.Module):
   output_init: nn.initializers.Initializer | None = None
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
+  kernels: str = ops.PLAIN  # which `layers.ops` kernel set multiplies
 
   def _up(self, x_BTD: Array, name: str) -> Array:
     """[B,T,D] -> [B,T,F] through the kernel `name` (logical axes embed x mlp)."""
@@ -58,6 +59,7 @@ class _FeedForward(nn.Module):
         kernel_init=init,
         dtype=self.dtype,
         param_dtype=self.param_dtype,
+        kernels=self.kernels,
         name=name,
     )
 

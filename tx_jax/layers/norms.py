@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
-from tx_jax.layers import axes
+from tx_jax.layers import axes, ops
 
 Array = jnp.ndarray
 
@@ -26,6 +24,7 @@ class NormSpec:
   use_bias: bool = True  # LayerNorm only; RMSNorm has no bias
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
+  kernels: str = ops.PLAIN  # which `layers.ops` kernel set normalises
 
 
 def make_norm(spec: NormSpec, name: str | None = None) -> nn.Module:
@@ -38,20 +37,18 @@ def make_norm(spec: NormSpec, name: str | None = None) -> nn.Module:
       use_bias=spec.kind == "layernorm" and spec.use_bias,
       dtype=spec.dtype,
       param_dtype=spec.param_dtype,
+      kernels=spec.kernels,
       name=name,
   )
 
 
 class Norm(nn.Module):
-  """LayerNorm (center=True) or RMSNorm over the last axis, with a hand-written backward.
+  """LayerNorm (center=True) or RMSNorm over the last axis.
 
   The parameters ("scale", and "bias" for LayerNorm with use_bias) and the forward are
   flax's `nn.LayerNorm` / `nn.RMSNorm` op for op: the same checkpoints, and outputs equal
-  bit for bit. Why not flax's modules: autodiff of their fast variance gave XLA:CPU ~20
-  small fusions per norm, among them [B, T, D] broadcasts of the scale materialised for
-  YNNPACK's reductions. `normalize`'s VJP needs about half the passes: `small`'s step
-  1.03-1.04x, tiny-shakespeare's 1.02x, the bench config's unchanged (docs/performance.md,
-  twentieth part).
+  bit for bit. flax's modules box their parameters without logical axis names, which the
+  mesh rules need.
   """
 
   center: bool = True
@@ -59,6 +56,7 @@ class Norm(nn.Module):
   use_bias: bool = True
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
+  kernels: str = ops.PLAIN
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
@@ -78,53 +76,9 @@ class Norm(nn.Module):
           self.param_dtype,
       )
     out_dtype = self.dtype or jnp.result_type(x, *(p for p in (scale, bias) if p is not None))
-    return normalize(x, scale, bias, self.epsilon, self.center, out_dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def normalize(x, scale, bias, epsilon, center, out_dtype):
-  """(x − mean) / sqrt(var + eps) · scale (+ bias) over the last axis, as flax computes it
-  (its fast variance, statistics in at least float32). center=False is RMSNorm (no mean).
-  bias may be None.
-  """
-  return _normalize_fwd(x, scale, bias, epsilon, center, out_dtype)[0]
-
-
-def _normalize_fwd(x, scale, bias, epsilon, center, out_dtype):
-  xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-  mean_sq = jnp.mean(jax.lax.square(xf), axis=-1, keepdims=True)
-  mean, var, centered = None, mean_sq, x
-  if center:
-    mean = jnp.mean(xf, axis=-1, keepdims=True)
-    var = jnp.maximum(0.0, mean_sq - jax.lax.square(mean))
-    centered = x - mean
-  rstd = jax.lax.rsqrt(var + epsilon)
-  y = centered * (rstd * scale)
-  if bias is not None:
-    y = y + bias
-  return y.astype(out_dtype), (x, mean, rstd, scale, bias)
-
-
-def _normalize_bwd(epsilon, center, out_dtype, residuals, dy):
-  """d x = rstd · (ĝ − mean(ĝ) − x̂ · mean(ĝ · x̂)) with ĝ = dy · scale (no mean(ĝ) for RMS);
-  d scale = Σ dy · x̂ and d bias = Σ dy over every axis but the last."""
-  del epsilon, out_dtype
-  x, mean, rstd, scale, bias = residuals
-  f32 = rstd.dtype
-  g = dy.astype(f32)
-  x_hat = (x.astype(f32) if mean is None else x.astype(f32) - mean) * rstd
-  g_hat = g * scale.astype(f32)
-  batch_axes = tuple(range(x.ndim - 1))
-  d_scale = jnp.sum(g * x_hat, axis=batch_axes).astype(scale.dtype)
-  d_bias = None if bias is None else jnp.sum(g, axis=batch_axes).astype(bias.dtype)
-  projection = jnp.mean(g_hat * x_hat, axis=-1, keepdims=True)
-  if center:
-    g_hat = g_hat - jnp.mean(g_hat, axis=-1, keepdims=True)
-  dx = rstd * (g_hat - x_hat * projection)
-  return dx.astype(x.dtype), d_scale, d_bias
-
-
-normalize.defvjp(_normalize_fwd, _normalize_bwd)
+    return ops.get(self.kernels).normalize(
+        x, scale, bias, epsilon=self.epsilon, center=self.center, out_dtype=out_dtype
+    )
 
 
 def residual(

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from tx_jax.layers import axes
-from tx_jax.layers.attention_spec import AttentionSpec
+from tx_jax.layers.attention import AttentionSpec
 from tx_jax.layers.block import TransformerStack
 from tx_jax.layers.embed import Embed
 from tx_jax.layers.linear import Linear
@@ -45,6 +45,7 @@ def token_embed(config: ModelConfig, name: str = "token_embed") -> Embed:
       else nn.initializers.normal(config.d_model**-0.5),
       dtype=config.compute_dtype,
       param_dtype=config.storage_dtype,
+      kernels=config.kernels,
       name=name,
   )
 
@@ -179,6 +180,7 @@ def lm_head(config: ModelConfig, name: str = "lm_head") -> Linear | None:
       kernel_init=config.kernel_init(),
       dtype=config.compute_dtype,
       param_dtype=config.storage_dtype,
+      kernels=config.kernels,
       name=name,
   )
 

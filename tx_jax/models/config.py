@@ -14,7 +14,8 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from tx_jax.layers.attention_backends import BACKENDS
+from tx_jax.layers import ops
+from tx_jax.layers.attention import BACKENDS
 from tx_jax.layers.block import REMAT_POLICIES, LayerSpec
 from tx_jax.layers.mlp import ACTIVATIONS
 from tx_jax.layers.norms import NORMS, NormSpec
@@ -69,6 +70,7 @@ class ModelConfig:
   dtype: str = "float32"
   param_dtype: str = "float32"
   attention_backend: str = "dense"
+  kernels: str = "plain"
   fused_qkv: bool = False
   scan_layers: bool = False
   remat_policy: str = "none"
@@ -96,6 +98,7 @@ class ModelConfig:
         "dtype": tuple(DTYPES),
         "param_dtype": tuple(DTYPES),
         "attention_backend": tuple(BACKENDS),
+        "kernels": ops.names(),
         "remat_policy": tuple(REMAT_POLICIES),
         "init": INITS,
     }
@@ -160,6 +163,7 @@ class ModelConfig:
         use_bias=self.norm_bias,
         dtype=self.compute_dtype,
         param_dtype=self.storage_dtype,
+        kernels=self.kernels,
     )
 
   def layer_spec(self, *, cross_attention: bool = False) -> LayerSpec:
@@ -182,6 +186,7 @@ class ModelConfig:
         mlp_inner_dropout_rate=self.mlp_inner_dropout_rate,
         attention_backend=self.attention_backend,
         fused_qkv=self.fused_qkv,
+        kernels=self.kernels,
         cross_attention=cross_attention,
         kernel_init=self.kernel_init(),
         dtype=self.compute_dtype,

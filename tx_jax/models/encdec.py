@@ -7,7 +7,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from tx_jax.layers import axes
-from tx_jax.layers.attention_spec import AttentionSpec
+from tx_jax.layers.attention import AttentionSpec
 from tx_jax.layers.norms import make_norm
 from tx_jax.models import common
 from tx_jax.models.config import ModelConfig

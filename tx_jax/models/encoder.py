@@ -104,5 +104,6 @@ class Encoder(nn.Module):
         kernel_init=c.kernel_init(),
         dtype=c.compute_dtype,
         param_dtype=c.storage_dtype,
+        kernels=c.kernels,
         name=name,
     )

@@ -1,5 +1,5 @@
-"""`dense` attention on contractions read in place (layers/chunked_attention.py, on
-cpu_einsum.in_place_einsum) against XLA's autodiff of the reference."""
+"""The `cpu` kernels' `dense` on contractions read in place by MKL (tx_jax/cpu/
+chunked_attention.py, on einsum.in_place_einsum) against XLA's autodiff of the reference."""
 
 import jax
 import jax.numpy as jnp
@@ -8,11 +8,11 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tests.layers import mkl
-from tests.layers.mkl import mkl_on_any_cpu  # noqa: F401 (autouse: MKL on any CPU)
-from tx_jax.layers import cpu_gemm
-from tx_jax.layers.attention_backends import dense, dense_attention
-from tx_jax.layers.attention_spec import AttentionSpec
+from tests.cpu import mkl
+from tx_jax.cpu import gemm as cpu_gemm
+from tx_jax.cpu.chunked_attention import dense_attention as dense
+from tx_jax.layers.attention.dense import dense_attention
+from tx_jax.layers.attention import AttentionSpec
 from tx_jax.layers.positions import AlibiBias, RelativeBias, alibi_slopes
 
 
@@ -73,7 +73,7 @@ def _outputs_and_gradients(spec, q, k, v, attend):
 
 
 def _autodiff_reference(q, k, v, spec, *, scale):
-  return dense_attention(q, k, v, spec.mask()[:, None], spec.bias_logits(), scale=scale)
+  return dense_attention(q, k, v, spec.mask(), spec.bias_logits(), scale=scale)
 
 
 @pytest.mark.parametrize(
@@ -89,10 +89,10 @@ def test_dense_in_place_equals_xla_autodiff_of_the_reference(kind, kv_heads, mon
   # Every contraction of the forward and backward is read in place (6 per query chunk).
   chunks = 2 if kind.startswith("causal") else 1
   assert hlo.count(f'custom_call_target="{cpu_gemm.STRIDED_TARGET}"') == 6 * chunks
-  monkeypatch.setenv(cpu_gemm.ENV, "xla")
+  monkeypatch.setattr(cpu_gemm, "available", lambda: False)
   _, (want_out, want_grads) = _outputs_and_gradients(spec, q, k, v, _autodiff_reference)
   np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-5, atol=2e-5)
-  empty_BT = ~np.asarray(spec.mask()).any(-1)
+  empty_BT = ~np.asarray(spec.mask()[:, 0]).any(-1)
   assert empty_BT.any() == (kind != "causal" and kind != "causal+alibi")  # the case is there
   np.testing.assert_array_equal(np.asarray(out)[empty_BT], 0.0)
   for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):

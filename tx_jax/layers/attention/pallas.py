@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from tx_jax.layers.attention_spec import AttentionSpec
+from tx_jax.layers.attention.spec import AttentionSpec
 
 Array = jnp.ndarray
 
@@ -53,6 +53,8 @@ def check_supported(spec: AttentionSpec, dropout_rate: float, deterministic: boo
     )
   if spec.window is not None:
     raise _unsupported(f"a sliding window (window={spec.window})", "'blockwise' or 'dense'")
+  if spec.explicit_mask is not None:
+    raise _unsupported("an explicit mask (AttentionSpec.explicit_mask)", "'blockwise' or 'dense'")
   if not deterministic and dropout_rate > 0.0:
     raise _unsupported(
         f"attention dropout (model.attention_dropout_rate={dropout_rate})",

@@ -1,25 +1,19 @@
-"""What the tests of tx_jax's MKL path share: the skip where MKL's GEMM can't load, MKL on
-any CPU, a mesh by axis sizes, and the handler's calls in a compiled program."""
+"""What the tests of tx_jax's MKL path share: the skip where MKL's GEMM can't load (the
+cpu-mkl extra is not installed, or no C++ compiler), a mesh by axis sizes, and the
+handler's calls in a compiled program."""
 
 import jax
 import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh
 
-from tx_jax.layers import cpu_gemm
+from tx_jax.cpu import gemm as cpu_gemm
 
 requires_mkl = pytest.mark.skipif(
     cpu_gemm._load() is not None, reason=f"MKL's GEMM unavailable here: {cpu_gemm._load()}"
 )
 
 MESH_AXES = ("data", "fsdp", "sequence", "tensor")
-
-
-@pytest.fixture(autouse=True)
-def mkl_on_any_cpu(monkeypatch):
-  """`auto` keeps XLA's dot on CPUs other than Intel's; these tests are about the MKL path.
-  Imported into a test module, it applies to every test there."""
-  monkeypatch.setenv(cpu_gemm.ENV, "mkl")
 
 
 def mesh(**sizes) -> Mesh:

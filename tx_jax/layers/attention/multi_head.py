@@ -1,7 +1,8 @@
 """Multi-head attention: self / cross, grouped-query, RoPE, KV cache, pluggable backends.
 
 The caller describes what may attend to what with an `AttentionSpec` (segment ids,
-indices, positions, causal flag, bias parameters); the backend (`attention_backends`)
+indices, positions, causal flag, bias parameters, an optional explicit mask); the backend
+(`attention.backends`)
 materialises the mask and bias it needs and computes softmax(Q·Kᵀ·scale + bias)·V. The
 one exception is decoding, where this layer owns the KV cache ("cache" collection) and
 always attends with the dense reference (one query step against the cache):
@@ -21,14 +22,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from tx_jax.layers import axes
-from tx_jax.layers.attention_backends import (
-    KeyValuePart,
-    dense_attention,
-    dense_attention_over_parts,
-    get_backend,
-)
-from tx_jax.layers.attention_spec import AttentionSpec
+from tx_jax.layers import axes, ops
+from tx_jax.layers.attention.backends import get_backend
+from tx_jax.layers.attention.dense import KeyValuePart, dense_attention, dense_attention_over_parts
+from tx_jax.layers.attention.spec import AttentionSpec
 from tx_jax.layers.linear import Linear, stacked_init
 from tx_jax.layers.positions import apply_rope
 
@@ -50,10 +47,11 @@ class MultiHeadAttention(nn.Module):
   output_init: nn.initializers.Initializer | None = None
   # Self-attention's projections from stacked kernels: q, k, v from one [D, 3, N, H] ("qkv")
   # when num_kv_heads == num_heads, else q alone and k, v from one [D, 2, K, H] ("kv").
-  # Fewer, wider GEMMs (docs/performance.md).
+  # Fewer, wider matrix products.
   fused_qkv: bool = False
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
+  kernels: str = ops.PLAIN  # which `layers.ops` kernel set projects and attends
 
   def _fused_projection(self, x_BTD: Array) -> tuple[Array, Array, Array]:
     """(q [B, T, N, H], k, v [B, T, K, H]) from stacked kernels (`fused_qkv`)."""
@@ -73,6 +71,7 @@ class MultiHeadAttention(nn.Module):
         kernel_init=stacked_init(self.kernel_init, parts),
         dtype=self.dtype,
         param_dtype=self.param_dtype,
+        kernels=self.kernels,
         name=name,
     )
 
@@ -84,6 +83,7 @@ class MultiHeadAttention(nn.Module):
         kernel_init=self.kernel_init,
         dtype=self.dtype,
         param_dtype=self.param_dtype,
+        kernels=self.kernels,
         name=name,
     )
 
@@ -146,7 +146,7 @@ class MultiHeadAttention(nn.Module):
       # One step against the cache: the [T, S_max] mask is small, and decoding keeps the
       # dense path whatever the training backend.
       out_BTNH = dense_attention(
-          q_BTNH, k_BSKH, v_BSKH, spec.mask()[:, None], spec.bias_logits(), scale=scale
+          q_BTNH, k_BSKH, v_BSKH, spec.mask(), spec.bias_logits(), scale=scale
       )
       return self._output(out_BTNH, x_BTD.shape[-1])
     deterministic = not train or self.dropout_rate == 0.0
@@ -159,6 +159,7 @@ class MultiHeadAttention(nn.Module):
         dropout_rate=self.dropout_rate,
         dropout_rng=None if deterministic else self.make_rng("dropout"),
         deterministic=deterministic,
+        kernels=ops.get(self.kernels),
     )
     return self._output(out_BTNH, x_BTD.shape[-1])
 
@@ -173,6 +174,7 @@ class MultiHeadAttention(nn.Module):
         kernel_init=self.output_init or self.kernel_init,
         dtype=self.dtype,
         param_dtype=self.param_dtype,
+        kernels=self.kernels,
         name="out",
     )(out_BTNH)
 
@@ -217,7 +219,7 @@ class MultiHeadAttention(nn.Module):
     """
     if spec is None:
       raise ValueError("a chunked-cache decode step needs the spec of its cache slots")
-    mask_B1TS, bias = spec.mask()[:, None], spec.bias_logits()
+    mask_B1TS, bias = spec.mask(), spec.bias_logits()
     to_stored = lambda x: jnp.swapaxes(x, 1, 2)  # [B,T,K,H] <-> [B,K,T,H]
     cache_index = self.variable("cache", "cache_index")
     flushed_index = self.get_variable("cache", "flushed_index")

@@ -7,7 +7,7 @@ can reuse them:
 - `attend_block`: one query block against one key block -> a `Partial` (unnormalised
   output, running max, running sum), given the block's `AttentionSpec`;
 - `merge`: combines two `Partial`s over disjoint key sets (rescaling by the running max);
-- `AttentionSpec` (`layers.attention_spec`): materialises any block's mask and bias from
+- `AttentionSpec` (`attention.spec`): materialises any block's mask and bias from
   segment ids, indices and positions alone.
 
 Blocks whose mask is all False (above the causal diagonal, outside the window, between
@@ -24,16 +24,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from tx_jax.layers import cpu_einsum
-from tx_jax.layers.attention_spec import AttentionSpec
+from tx_jax.layers import ops
+from tx_jax.layers.attention.dense import to_groups
+from tx_jax.layers.attention.spec import AttentionSpec
 
 Array = jnp.ndarray
 
-# Query and key block size. Each block pays a fixed cost in XLA ops (slices, the cond, the
-# running-max rescale), so larger blocks win on CPU while their [T, S] tiles stay small
-# against memory: causal fwd+bwd, 8 heads of 64, on the 2-core AVX2 VM, 512 ran T=2048 in
-# 512 ms against 758 at 256 and 607 at 1024 (dense 480), T=4096 in 1.70 s against 2.84
-# (docs/performance.md, thirteenth part). Peak at 16k: 470 MB against 447 at 256.
+# Query and key block size: each block pays a fixed cost in XLA ops, so larger blocks win
+# while their [T, S] tiles stay small (tuned on a 2-core CPU at T = 2k-16k; docs/performance.md).
 DEFAULT_BLOCK = 512
 
 
@@ -49,9 +47,11 @@ class Partial(NamedTuple):
   sum: Array
 
 
-def block_logits(q_BKGTH: Array, k_BKHS: Array, spec: AttentionSpec, scale: float) -> Array:
+def block_logits(
+    q_BKGTH: Array, k_BKHS: Array, spec: AttentionSpec, scale: float, einsum=ops.einsum
+) -> Array:
   """Scaled float32 logits plus bias for one block, [B, K, G, T, S] (unmasked)."""
-  logits_BKGTS = cpu_einsum.einsum(
+  logits_BKGTS = einsum(
       "bkgth,bkhs->bkgts", q_BKGTH, k_BKHS, preferred_element_type=jnp.float32
   ) * jnp.float32(scale)
   bias_BNTS = spec.bias_logits()
@@ -60,21 +60,31 @@ def block_logits(q_BKGTH: Array, k_BKHS: Array, spec: AttentionSpec, scale: floa
   return logits_BKGTS
 
 
+def block_mask(spec: AttentionSpec, num_kv_heads: int) -> Array:
+  """The block's mask as [B, K|1, G|1, T, S], to broadcast over grouped logits."""
+  return to_groups(spec.mask(), num_kv_heads)
+
+
 def attend_block(
-    q_BKGTH: Array, k_BKHS: Array, v_BKSH: Array, spec: AttentionSpec, scale: float
+    q_BKGTH: Array,
+    k_BKHS: Array,
+    v_BKSH: Array,
+    spec: AttentionSpec,
+    scale: float,
+    einsum=ops.einsum,
 ) -> Partial:
   """The per-block kernel: one query block against one key block.
 
-  Operands come in the layouts XLA:CPU's dots take without copying (batch dims leading,
-  the left operand contracted on its last dim, the right on its first), laid out once per
-  call by `heads_major`: transposing each block inside the loops cost 20-25% of the time.
+  Operands come laid out once per call by `heads_major` (batch dims leading, the left
+  operand contracted on its last dim, the right on its first), so no block is transposed
+  inside the loops.
   """
-  logits_BKGTS = block_logits(q_BKGTH, k_BKHS, spec, scale)
-  mask_B11TS = spec.mask()[:, None, None]
+  logits_BKGTS = block_logits(q_BKGTH, k_BKHS, spec, scale, einsum)
+  mask_B11TS = block_mask(spec, q_BKGTH.shape[1])
   block_max = jnp.max(jnp.where(mask_B11TS, logits_BKGTS, -jnp.inf), axis=-1)
   shift = jnp.where(jnp.isfinite(block_max), block_max, 0.0)
   p_BKGTS = jnp.where(mask_B11TS, jnp.exp(logits_BKGTS - shift[..., None]), 0.0)
-  out_BKGTH = cpu_einsum.einsum(
+  out_BKGTH = einsum(
       "bkgts,bksh->bkgth",
       p_BKGTS.astype(v_BKSH.dtype),
       v_BKSH,
@@ -129,7 +139,7 @@ def _blocks(length: int, block: int) -> tuple[int, int]:
   return block, -(-length // block)
 
 
-def _forward(q_BTKGH, k_BSKH, v_BSKH, spec, scale, block_q, block_k):
+def _forward(q_BTKGH, k_BSKH, v_BSKH, spec, scale, block_q, block_k, einsum):
   """Padded inputs -> (out [B, K, G, T, H] f32, lse [B, K, G, T])."""
   batch, length, kv_heads, groups, head_dim = q_BTKGH.shape
   num_q_blocks, num_k_blocks = length // block_q, k_BSKH.shape[1] // block_k
@@ -146,7 +156,7 @@ def _forward(q_BTKGH, k_BSKH, v_BSKH, spec, scale, block_q, block_k):
       visible = jnp.any(spec_ij.mask())
       acc = jax.lax.cond(
           visible,
-          lambda: merge(acc, attend_block(q_blk, k_blk, v_blk, spec_ij, scale)),
+          lambda: merge(acc, attend_block(q_blk, k_blk, v_blk, spec_ij, scale, einsum)),
           lambda: acc,
       )
       return acc, None
@@ -162,7 +172,7 @@ def _forward(q_BTKGH, k_BSKH, v_BSKH, spec, scale, block_q, block_k):
   return out, lse
 
 
-def _backward(q_BTKGH, k_BSKH, v_BSKH, spec, scale, block_q, block_k, out, lse, dout):
+def _backward(q_BTKGH, k_BSKH, v_BSKH, spec, scale, block_q, block_k, einsum, out, lse, dout):
   """Gradients w.r.t. q, k, v and the bias parameters, one recomputed block at a time.
 
   Every operand is laid out once for the dots it feeds (see `attend_block`); dk and dv are
@@ -190,24 +200,24 @@ def _backward(q_BTKGH, k_BSKH, v_BSKH, spec, scale, block_q, block_k, out, lse, 
     def query_step(inner, i):
       dk_blk, dv_blk, dq, dbias = inner
       spec_ij = spec_j.queries(i * block_q, block_q)
-      mask_B11TS = spec_ij.mask()[:, None, None]
+      mask_B11TS = block_mask(spec_ij, q_BTKGH.shape[2])
 
       def compute():
         q_blk = take(q_BKGTH, i * block_q, block_q, 3)
         do_blk = take(dout_BKGTH, i * block_q, block_q, 3)
         logits, bias_vjp = jax.vjp(
-            lambda bias: block_logits(q_blk, k_blk_hs, spec_ij.replace(bias=bias), scale),
+            lambda bias: block_logits(q_blk, k_blk_hs, spec_ij.replace(bias=bias), scale, einsum),
             spec_ij.bias,
         )
         lse_blk = take(lse, i * block_q, block_q, 3)
         p = jnp.where(mask_B11TS, jnp.exp(logits - lse_blk[..., None]), 0.0)
         do_blk_t = take(dout_BKHGT, i * block_q, block_q, 4)
-        dv = cpu_einsum.einsum("bkhgt,bkgts->bkhs", do_blk_t, p, preferred_element_type=f32)
-        dp = cpu_einsum.einsum("bkgth,bkhs->bkgts", do_blk, v_blk_hs, preferred_element_type=f32)
+        dv = einsum("bkhgt,bkgts->bkhs", do_blk_t, p, preferred_element_type=f32)
+        dp = einsum("bkgth,bkhs->bkgts", do_blk, v_blk_hs, preferred_element_type=f32)
         ds = p * (dp - take(delta_BKGT, i * block_q, block_q, 3)[..., None])
-        dq_blk = cpu_einsum.einsum("bkgts,bksh->bkgth", ds, k_blk_sh, preferred_element_type=f32)
+        dq_blk = einsum("bkgts,bksh->bkgth", ds, k_blk_sh, preferred_element_type=f32)
         q_blk_t = take(q_BKHGT, i * block_q, block_q, 4)
-        dk = cpu_einsum.einsum("bkhgt,bkgts->bkhs", q_blk_t, ds, preferred_element_type=f32)
+        dk = einsum("bkhgt,bkgts->bkhs", q_blk_t, ds, preferred_element_type=f32)
         (dbias_blk,) = bias_vjp(ds)
         dq_i = take(dq, i * block_q, block_q, 3) + dq_blk * scale
         return (
@@ -238,21 +248,21 @@ def _backward(q_BTKGH, k_BSKH, v_BSKH, spec, scale, block_q, block_k, out, lse, 
   return dq.transpose(0, 3, 1, 2, 4), unblock(dk_blocks), unblock(dv_blocks), dbias
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _attention(q_BTKGH, k_BSKH, v_BSKH, spec, scale, block_q, block_k):
-  out, _ = _forward(q_BTKGH, k_BSKH, v_BSKH, spec, scale, block_q, block_k)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _attention(q_BTKGH, k_BSKH, v_BSKH, spec, scale, block_q, block_k, einsum):
+  out, _ = _forward(q_BTKGH, k_BSKH, v_BSKH, spec, scale, block_q, block_k, einsum)
   return out
 
 
-def _attention_fwd(q_BTKGH, k_BSKH, v_BSKH, spec, scale, block_q, block_k):
-  out, lse = _forward(q_BTKGH, k_BSKH, v_BSKH, spec, scale, block_q, block_k)
+def _attention_fwd(q_BTKGH, k_BSKH, v_BSKH, spec, scale, block_q, block_k, einsum):
+  out, lse = _forward(q_BTKGH, k_BSKH, v_BSKH, spec, scale, block_q, block_k, einsum)
   return out, (q_BTKGH, k_BSKH, v_BSKH, spec, out, lse)
 
 
-def _attention_bwd(scale, block_q, block_k, residuals, dout):
+def _attention_bwd(scale, block_q, block_k, einsum, residuals, dout):
   q_BTKGH, k_BSKH, v_BSKH, spec, out, lse = residuals
   dq, dk, dv, dbias = _backward(
-      q_BTKGH, k_BSKH, v_BSKH, spec, scale, block_q, block_k, out, lse, dout
+      q_BTKGH, k_BSKH, v_BSKH, spec, scale, block_q, block_k, einsum, out, lse, dout
   )
   # Segment ids, indices and positions are integers: their cotangents are float0 zeros.
   dspec = jax.tree.map(_zero_cotangent, spec.replace(bias=None))
@@ -282,8 +292,12 @@ def blockwise_attention(
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     deterministic: bool = True,
+    kernels: ops.Kernels = ops.get(ops.PLAIN),
 ) -> Array:
-  """softmax(Q·Kᵀ·scale + bias)·V over key blocks; never stores a [T, S] matrix."""
+  """softmax(Q·Kᵀ·scale + bias)·V over key blocks; never stores a [T, S] matrix.
+
+  Its backward is a custom VJP that recomputes each block: reverse-mode autodiff only.
+  """
   del dropout_rng
   if not deterministic and dropout_rate > 0.0:
     raise ValueError(
@@ -307,6 +321,7 @@ def blockwise_attention(
       scale,
       block_q,
       block_k,
+      kernels.einsum,
   )
   out_BTKGH = jnp.moveaxis(out_BKGTH, 3, 1)[:, :length]
   return out_BTKGH.reshape(batch, length, num_heads, head_dim).astype(q_BTNH.dtype)

@@ -9,9 +9,9 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tests.layers import mkl
-from tests.layers.mkl import mkl_on_any_cpu  # noqa: F401 (autouse: MKL on any CPU)
-from tx_jax.layers import cpu_einsum, cpu_gemm
+from tests.cpu import mkl
+from tx_jax.cpu import einsum as cpu_einsum
+from tx_jax.cpu import gemm as cpu_gemm
 
 
 pytestmark = mkl.requires_mkl

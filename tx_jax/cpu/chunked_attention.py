@@ -1,18 +1,17 @@
-"""`dense` attention over query chunks with a hand-written VJP, in two memory layouts.
+"""The `dense` backend under the `cpu` kernels: causal queries in chunks, a hand-written VJP.
 
-`attention_backends.dense` splits causal self-attention's queries into chunks, each
-attending only to the keys up to its last query (`Chunk`), and runs all of them as one
-`custom_vjp` here: the forward keeps each chunk's softmax probabilities and the backward is
-FlashAttention's, d logits = p·(dp − Σ dout·out). `chunked_attention` picks the layout:
+Causal self-attention's queries are split into chunks, each attending only to the keys up
+to its last query (`Chunk`), so about 5/8 of the [T, T] scores are computed with 4 chunks;
+all chunks run as one `custom_vjp` whose forward keeps each chunk's softmax probabilities
+and whose backward is FlashAttention's, d logits = p·(dp − Σ dout·out). Two memory layouts:
 
-- **in place** (float32 on CPU, through MKL): every q·kᵀ, p·v and gradient contraction is
-  one `cpu_einsum.in_place_einsum`, which reads q, k, v and dout where they lie ([B, T, K, G,
-  H], a chunk being an offset into them) and writes its result in the layout the next step
-  wants. Nothing is transposed or sliced by a copy; at the bench shape the layout copies had
-  cost as much time as the contractions (docs/performance_in_place.md);
-- **XLA's layouts** (elsewhere): operands laid out once per call for XLA's dot.
+- in place (float32 on CPU, through MKL): every q·kᵀ, p·v and gradient contraction is one
+  `einsum.in_place_einsum`, which reads q, k, v and dout where they lie ([B, T, K, G, H], a
+  chunk being an offset into them) and writes its result in the layout the next step wants;
+- XLA's layouts (without MKL): operands laid out once per call for XLA's dot.
 
-Also the logits pieces that `dense_attention` shares, so both compute the same bits.
+The forward equals the reference's (`layers.attention.dense`) bit for bit; its pieces come
+from there. Reverse mode only. A spec with an explicit mask takes the reference.
 """
 
 from __future__ import annotations
@@ -24,46 +23,16 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from tx_jax.layers import cpu_einsum
+from tx_jax.cpu import einsum as cpu_einsum
+from tx_jax.layers.attention import dense
+from tx_jax.layers.attention.spec import AttentionSpec
 
 Array = jnp.ndarray
 
 
-def group_queries(q_BTNH: Array, num_kv_heads: int) -> Array:
-  """[B, T, N, H] -> [B, T, K, G, H]: the query heads grouped by the key head they share."""
-  batch, length, num_heads, head_dim = q_BTNH.shape
-  return q_BTNH.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
-
-
-def bias_to_groups(bias: Array, num_kv_heads: int) -> Array:
-  """[B|1, N|1, T, S] -> [B|1, K|1, G|1, T, S] so it broadcasts against grouped logits."""
-  b, n, t, s = bias.shape
-  if n == 1:
-    return bias[:, :, None]
-  return bias.reshape(b, num_kv_heads, n // num_kv_heads, t, s)
-
-
-def grouped_logits(
-    q_BTKGH: Array, k_BSKH: Array, mask_B1TS: Array | None, bias: Array | None, scale: float
-) -> Array:
-  """q·kᵀ through `cpu_einsum.einsum`, then `_logits`: float32 [B, K, G, T, S]."""
-  products_BKGTS = cpu_einsum.einsum(
-      "btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32
-  )
-  return _logits(products_BKGTS, mask_B1TS, bias, scale)
-
-
-def _logits(
-    products_BKGTS: Array, mask_B1TS: Array | None, bias: Array | None, scale: float
-) -> Array:
-  """q·kᵀ [B, K, G, T, S] scaled, biased and masked (masked keys at the f32 minimum)."""
-  logits_BKGTS = products_BKGTS * jnp.float32(scale)
-  if bias is not None:
-    num_kv_heads = products_BKGTS.shape[1]
-    logits_BKGTS = logits_BKGTS + bias_to_groups(bias.astype(jnp.float32), num_kv_heads)
-  if mask_B1TS is not None:
-    logits_BKGTS = jnp.where(mask_B1TS[:, :, None], logits_BKGTS, jnp.finfo(jnp.float32).min)
-  return logits_BKGTS
+def grouped_logits(q_BTKGH, k_BSKH, mask_B1TS, bias, scale):
+  """The reference's logits, with q·kᵀ through MKL where it applies."""
+  return dense.grouped_logits(q_BTKGH, k_BSKH, mask_B1TS, bias, scale, cpu_einsum.einsum)
 
 
 def _probabilities(logits_BKGTS: Array, mask_B1TS: Array) -> Array:
@@ -131,7 +100,7 @@ def _laid_out_attention_bwd(scale, chunks, bias_shapes, residuals, dout_BKGTH):
   for all chunks ([B, K, H, S] for v, [B, K, S, H] for k, [B, K, H, G, T] for q and dout),
   and dk, dv come out as [B, K, H, S], so the [T, S] probabilities are never transposed.
   Per-chunk einsums on the [B, T, K, H] inputs made XLA transpose every chunk's keys in
-  two layouts, and pad-and-add each chunk's dk and dv (bench step 1.02-1.03x faster).
+  two layouts, and pad-and-add each chunk's dk and dv.
   One chunk has nothing to slice and keeps XLA's own layouts (`_one_chunk_bwd`).
   """
   if len(chunks) == 1:
@@ -171,7 +140,7 @@ def _laid_out_attention_bwd(scale, chunks, bias_shapes, residuals, dout_BKGTH):
 def _one_chunk_bwd(scale, bias_shape, residuals, dout_BKGTH):
   """`_laid_out_attention_bwd` for one chunk (all queries against all keys): einsums on the
   inputs' layouts, whose transposes XLA places itself. With nothing sliced, laying the
-  operands out by hand only added copies (`small`'s T = 64: 1.76 vs 1.54 ms fwd+bwd)."""
+  operands out by hand only adds copies."""
   q_BTKGH, k_BSKH, v_BSKH, (p_BKGTS,), out_BKGTH = residuals
   f32 = jnp.float32
   dp_BKGTS = cpu_einsum.einsum("bkgth,bskh->bkgts", dout_BKGTH, v_BSKH, preferred_element_type=f32)
@@ -194,9 +163,8 @@ def _row_dot(dout_BKGTH: Array, out_BKGTH: Array) -> Array:
   """Σ_h dout·out as [B, K, G, T, 1] f32, the term the backward subtracts from dp.
 
   Written as an einsum, not sum(dout·out, -1): XLA turns it into the same multiply and
-  reduce, but over (G, H) when G = 1, so no reshape sits between the reduce and p·(dp − ·).
-  With the reshape, YNNPACK's fusion of the two ran 2.4-2.9x slower (tiny-shakespeare's
-  step 1.03-1.04x, `small` 1.02x, bench 1.01x; docs/performance.md, twentieth part).
+  reduce, but over (G, H) when G = 1, so no reshape sits between the reduce and p·(dp − ·),
+  which YNNPACK fuses far better.
   """
   f32 = jnp.float32
   row_dot_BKGT = jnp.einsum(
@@ -273,7 +241,7 @@ def _in_place_attention_fwd(q_BTKGH, k_BSKH, v_BSKH, masks, biases, scale, chunk
   probabilities, outputs = [], []
   for chunk, mask_B1TS, bias in zip(chunks, masks, biases):
     products_BKGTS = _in_place("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, chunk, {"t": chunk.start})
-    p_BKGTS = _probabilities(_logits(products_BKGTS, mask_B1TS, bias, scale), mask_B1TS)
+    p_BKGTS = _probabilities(dense.scaled_logits(products_BKGTS, mask_B1TS, bias, scale), mask_B1TS)
     probabilities.append(p_BKGTS)
     outputs.append(_in_place("bkgts,bskh->btkgh", p_BKGTS, v_BSKH, chunk))
   out_BTKGH = jnp.concatenate(outputs, axis=1) if len(outputs) > 1 else outputs[0]
@@ -311,3 +279,51 @@ def _in_place_attention_bwd(scale, chunks, bias_shapes, residuals, dout_BTKGH):
 
 
 _in_place_attention = _with_vjp(_in_place_attention_fwd, _in_place_attention_bwd)
+
+
+# Causal self-attention splits its queries into this many chunks, each attending only to
+# the keys up to its last query; chunks stay >= MIN_QUERY_CHUNK queries (tuned on 2-core
+# x86 CPUs at T = 256, docs/performance.md).
+CAUSAL_QUERY_CHUNKS = 4
+MIN_QUERY_CHUNK = 64
+
+
+def causal_chunk_bounds(spec: AttentionSpec, query_chunks: int | None = None) -> list[int]:
+  """Query chunk boundaries [0, ..., T]; one chunk unless the keys are the causal queries."""
+  length = spec.query_length
+  if not (spec.causal and spec.same_tokens and length == spec.key_length):
+    return [0, length]
+  if query_chunks is None:
+    query_chunks = max(1, min(CAUSAL_QUERY_CHUNKS, length // MIN_QUERY_CHUNK))
+  query_chunks = min(query_chunks, length)
+  return [round(i * length / query_chunks) for i in range(query_chunks + 1)]
+
+
+def dense_attention(
+    q_BTNH: Array,
+    k_BSKH: Array,
+    v_BSKH: Array,
+    spec: AttentionSpec,
+    *,
+    scale: float,
+    query_chunks: int | None = None,
+) -> Array:
+  """The `dense` backend's result by causal query chunks (`query_chunks`; None: up to
+  CAUSAL_QUERY_CHUNKS), without dropout."""
+  if spec.explicit_mask is not None:
+    return dense.dense_attention(
+        q_BTNH, k_BSKH, v_BSKH, spec.mask(), spec.bias_logits(), scale=scale
+    )
+  bounds = causal_chunk_bounds(spec, query_chunks)
+  if len(bounds) == 2:
+    chunks, specs = (Chunk(0, spec.query_length, spec.key_length),), [spec]
+  else:
+    # A chunk's queries see no key after its last query: those keys are left out.
+    chunks = tuple(Chunk(start, end, end) for start, end in zip(bounds[:-1], bounds[1:]))
+    specs = [spec.queries(c.start, c.end - c.start).keys(0, c.key_end) for c in chunks]
+  masks = tuple(s.mask() for s in specs)
+  biases = tuple(s.bias_logits() for s in specs)
+  bias_shapes = tuple(None if b is None else b.shape for b in biases)
+  q_BTKGH = dense.group_queries(q_BTNH, k_BSKH.shape[2])
+  out_BTKGH = chunked_attention(q_BTKGH, k_BSKH, v_BSKH, masks, biases, scale, chunks, bias_shapes)
+  return out_BTKGH.reshape(q_BTNH.shape)

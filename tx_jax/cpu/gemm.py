@@ -1,29 +1,23 @@
 """float32 matrix products on CPU through MKL's sgemm, called from XLA as an FFI custom call.
 
-Why: XLA:CPU's dots (YNNPACK) reach 0.75-0.9 of MKL's speed at the shapes of a train step,
-and torch, which tx_jax's benchmarks compare against, uses MKL. Measured on a 2-core Xeon
-(docs/performance_xeon.md, twenty-third part): the bench config's kernel-gradient GEMMs ran
-1.27x faster through MKL, the tied output projection 1.43x, the whole step 1.2x.
+XLA:CPU's dots run below MKL's speed at a train step's shapes, and torch, which the CPU
+benchmarks compare against, uses MKL. The `cpu` kernels (`tx_jax.cpu`) use this module
+where it applies; the model code never does.
 
-How:
-- `cpu_gemm.cc` is a C++ XLA FFI handler: C = op(A)·op(B), cut into row or column blocks
-  over XLA's own intra-op thread pool, each block one single-threaded sgemm.
-- It is compiled on first use with the machine's C++ compiler, against the FFI headers of the
-  installed jaxlib, into `$XDG_CACHE_HOME/tx_jax/cpu_gemm/` (~2 s, once per jaxlib).
-- MKL comes from the `mkl` wheel, a dependency on Linux x86-64; its runtime library is told to
-  run sequentially, so the handler alone decides the threads.
+- `gemm.cc` is a C++ XLA FFI handler: C = op(A)·op(B), cut into row or column blocks over
+  XLA's own intra-op thread pool, each block one single-threaded sgemm.
+- It is compiled on first use with the machine's C++ compiler, against the FFI headers of
+  the installed jaxlib, into `$XDG_CACHE_HOME/tx_jax/cpu_gemm/` (once per jaxlib).
+- MKL comes from the optional `mkl` wheel (`pip install -e ".[cpu-mkl]"`). Its runtime is
+  loaded with the sequential threading layer, so the handler alone decides the threads.
 - `project` gives the handler autodiff (a custom VJP of three GEMMs) and sharding: under a
-  mesh that splits the batch (data, fsdp) each device multiplies its own rows (`shard_map`),
-  and the kernel's gradient is summed over them. `linear.project` calls it.
-- `cpu_einsum` builds attention's batched products on the same handler, and on a second one
+  mesh that splits the batch (data, fsdp) each device multiplies its own rows (`shard_map`).
+- `einsum.py` builds attention's batched products on the same handler, and on a second one
   that reads its operands in place (`TxJaxCpuStridedGemm`).
 
 Where it does not apply, XLA's dot stays: other dtypes, accelerators, tensor or sequence
 parallel meshes, a batch the mesh does not divide, a decoding step's few rows. Where MKL or
-a compiler is missing, tx_jax warns once and uses XLA's dot everywhere. On CPUs other than
-Intel's it is off unless asked for: it was measured on Intel Xeons only.
-`TX_JAX_CPU_GEMM=xla` turns it off; `=mkl` turns it on anywhere and makes a missing MKL or
-compiler an error.
+a compiler is missing, tx_jax warns once and uses XLA's dot.
 """
 
 from __future__ import annotations
@@ -50,53 +44,23 @@ from jax.sharding import PartitionSpec
 
 Array = jnp.ndarray
 
-ENV = "TX_JAX_CPU_GEMM"
-SETTINGS = ("auto", "mkl", "xla")  # auto: MKL on Intel CPUs where it is available
 TARGET = "tx_jax_cpu_gemm"
 STRIDED_TARGET = "tx_jax_cpu_strided_gemm"
-_SOURCE = pathlib.Path(__file__).with_name("cpu_gemm.cc")
+_SOURCE = pathlib.Path(__file__).with_name("gemm.cc")
 _BATCH_AXES = ("data", "fsdp")  # tx_jax.sharding.BATCH_AXES (which imports this package)
 _MKL_THREADING_SEQUENTIAL = 1  # mkl_service.h's MKL_THREADING_SEQUENTIAL
 # Fewer rows than this per device stay with XLA's dot: a decoding step's few rows are a
-# matrix-vector product, which XLA fuses with its neighbours and the custom call cannot
-# (cached decoding at batch 1 ran 4,775 tok/s with XLA's dot, 3,380 through MKL).
+# matrix-vector product, which XLA fuses with its neighbours and the custom call cannot.
 MIN_ROWS = 128
 
 log = logging.getLogger(__name__)
 
 
-def setting() -> str:
-  value = os.environ.get(ENV, "auto").strip().lower() or "auto"
-  if value not in SETTINGS:
-    raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(SETTINGS)}")
-  return value
-
-
 def applies(x: Array, kernel: Array) -> bool:
-  """Whether `project(x, kernel, ...)` should run through MKL here (decided at trace time)."""
+  """Whether a product of x and kernel runs through MKL here (decided at trace time)."""
   if x.dtype != jnp.float32 or kernel.dtype != jnp.float32:
     return False
-  chosen = setting()
-  if jax.default_backend() != "cpu" or chosen == "xla":
-    return False
-  # Measured on Intel Xeons only: on other CPUs MKL's speed is unknown here, so `auto`
-  # keeps XLA's dot there and `mkl` opts in.
-  if chosen == "auto" and cpu_vendor() != "GenuineIntel":
-    return False
-  return available()
-
-
-@functools.cache
-def cpu_vendor() -> str:
-  """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD, ...); '' where there is none."""
-  try:
-    with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-      for line in cpuinfo:
-        if line.startswith("vendor_id"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return ""
+  return jax.default_backend() == "cpu" and available()
 
 
 def available() -> bool:
@@ -104,16 +68,13 @@ def available() -> bool:
   reason = _load()
   if reason is None:
     return True
-  if setting() == "mkl":
-    raise RuntimeError(f"{ENV}=mkl, but MKL's GEMM is unavailable: {reason}")
   _warn_unavailable(reason)
   return False
 
 
 @functools.cache
 def _warn_unavailable(reason: str) -> None:
-  log.warning("tx_jax: matrix products use XLA's dot on CPU, not MKL (%s). %s=xla hides this.",
-              reason, ENV)
+  log.warning("tx_jax: model.kernels='cpu' multiplies with XLA's dot, not MKL (%s)", reason)
 
 
 @functools.cache
@@ -121,7 +82,7 @@ def _load() -> str | None:
   """Builds (or finds) the handler, loads MKL, registers the target; the reason if it can't."""
   mkl = _mkl_runtime()
   if mkl is None:
-    return "the mkl package is not installed (pip install mkl)"
+    return "the mkl package is not installed: pip install -e '.[cpu-mkl]'"
   try:
     library = ctypes.CDLL(str(_built_handler()))
     mkl_rt = ctypes.CDLL(mkl)

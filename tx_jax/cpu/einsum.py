@@ -1,10 +1,9 @@
-"""Batched float32 matrix products on CPU through MKL, for attention: the einsums of
-`blockwise_attention`, `dense_attention` and `chunked_attention`.
+"""Batched float32 matrix products on CPU through MKL, for attention: the einsums of the
+`blockwise` backend and of `chunked_attention` under the `cpu` kernels.
 
-- `einsum` is `jnp.einsum` of two operands as `cpu_gemm`'s GEMMs over the batch letters,
+- `einsum` is `jnp.einsum` of two operands as `gemm`'s GEMMs over the batch letters,
   with a custom VJP of two more contractions, per device under a mesh that splits the batch.
-  Its operands are laid out as [batch, M, K] and [batch, K, N] first. YNNPACK ran attention's
-  q·kᵀ and p·v at ~80 GFLOP/s at the bench shape.
+  Its operands are laid out as [batch, M, K] and [batch, K, N] first.
 - `in_place_einsum` is one batched product whose operands and result stay where they lie:
   the strided handler reads each matrix through an offset, batch strides and a row stride,
   so a query chunk of [B, T, N, H] is a window of it, not a transposed copy
@@ -24,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from tx_jax.layers import cpu_gemm
+from tx_jax.cpu import gemm as cpu_gemm
 
 Array = jnp.ndarray
 

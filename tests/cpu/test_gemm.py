@@ -1,4 +1,4 @@
-"""MKL's GEMM as an XLA custom call (tx_jax/layers/cpu_gemm.py) against numpy and XLA's dot."""
+"""MKL's GEMM as an XLA custom call (tx_jax/cpu/gemm.py) against numpy and XLA's dot."""
 
 import os
 import subprocess
@@ -11,9 +11,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tests.layers import mkl
-from tests.layers.mkl import mkl_on_any_cpu  # noqa: F401 (autouse: MKL on any CPU)
-from tx_jax.layers import cpu_gemm, linear
+from tests.cpu import mkl
+from tx_jax.cpu import gemm as cpu_gemm
+from tx_jax.cpu import projection
 
 
 pytestmark = mkl.requires_mkl
@@ -43,7 +43,7 @@ def _loss(project_fn, in_dims):
 
 
 def _xla_project(x, w, in_dims):
-  return linear._contract(x, w, in_dims)
+  return projection._contract(x, w, in_dims)
 
 
 @pytest.mark.parametrize(
@@ -54,7 +54,7 @@ def test_project_value_and_gradients_match_xla_dot(x_shape, w_shape, in_dims):
   x = jax.random.normal(jax.random.key(0), x_shape)
   w = jax.random.normal(jax.random.key(1), w_shape)
   expected = jax.jit(jax.value_and_grad(_loss(_xla_project, in_dims), argnums=(0, 1)))(x, w)
-  fn = jax.value_and_grad(_loss(linear.project, in_dims), argnums=(0, 1))
+  fn = jax.value_and_grad(_loss(projection.project, in_dims), argnums=(0, 1))
   got = jax.jit(fn)(x, w)
   assert len(mkl.hlo_calls(jax.jit(fn).lower(x, w).compile().as_text())) == 3  # y, dx, dkernel
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
@@ -70,7 +70,7 @@ def test_a_kernel_stored_transposed_is_read_in_place_forward_and_backward(under_
   mesh = mkl.mesh(data=2)
 
   def step(x, table):
-    loss = lambda x, table: jnp.sum(jnp.sin(linear.project(x, table, 1, kernel_transposed=True)))  # noqa: E731
+    loss = lambda x, table: jnp.sum(jnp.sin(projection.project(x, table, 1, kernel_transposed=True)))  # noqa: E731
     if not under_mesh:
       return jax.value_and_grad(loss, argnums=(0, 1))(x, table)
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
@@ -97,7 +97,7 @@ def test_project_under_a_batch_split_mesh_runs_per_device_and_sums_the_kernel_gr
 
   def step(x, w):
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      return jax.value_and_grad(_loss(linear.project, 1), argnums=(0, 1))(x, w)
+      return jax.value_and_grad(_loss(projection.project, 1), argnums=(0, 1))(x, w)
 
   x_sharded = jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp"))))
   w_sharded = jax.device_put(w, NamedSharding(mesh, P("fsdp")))
@@ -116,58 +116,46 @@ def test_tensor_parallel_meshes_and_indivisible_batches_keep_xla_dot():
   for mesh in (mkl.mesh(tensor=2), mkl.mesh(fsdp=2)):  # a split kernel; 3 rows over 2 devices
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
       assert cpu_gemm.batch_axes(x, 1) is None
-      text = jax.jit(lambda x, w: linear.project(x, w, 1)).lower(x, w).as_text()
+      text = jax.jit(lambda x, w: projection.project(x, w, 1)).lower(x, w).as_text()
     assert cpu_gemm.TARGET not in text
 
 
 def test_few_rows_other_dtypes_and_the_xla_setting_keep_xla_dot(monkeypatch):
   x, w = jnp.ones((2, 64, 6)), jnp.ones((6, 8))
-  lower = lambda x, w: jax.jit(lambda x, w: linear.project(x, w, 1)).lower(x, w).as_text()  # noqa: E731
+  lower = lambda x, w: jax.jit(lambda x, w: projection.project(x, w, 1)).lower(x, w).as_text()  # noqa: E731
   assert cpu_gemm.TARGET in lower(x, w)
   assert cpu_gemm.TARGET not in lower(x[:1, :-1], w)  # 63 rows: a decoding step's size
   assert cpu_gemm.TARGET not in lower(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
-  monkeypatch.setenv(cpu_gemm.ENV, "xla")
+  monkeypatch.setattr(cpu_gemm, "available", lambda: False)
   assert cpu_gemm.TARGET not in lower(x, w)
 
 
 def test_project_under_vmap_equals_the_unbatched_projection():
   x = jax.random.normal(jax.random.key(0), (3, 130, 6))
   w = jax.random.normal(jax.random.key(1), (6, 8))
-  fn = jax.jit(jax.vmap(lambda x: linear.project(x, w, 1)))
+  fn = jax.jit(jax.vmap(lambda x: projection.project(x, w, 1)))
   assert cpu_gemm.TARGET in fn.lower(x).as_text()
   got = fn(x)
   np.testing.assert_allclose(np.asarray(got), np.asarray(x) @ np.asarray(w), rtol=1e-5, atol=1e-5)
 
 
-def test_an_unknown_setting_names_the_variable_and_the_accepted_values(monkeypatch):
-  monkeypatch.setenv(cpu_gemm.ENV, "blas")
-  with pytest.raises(ValueError, match=r"TX_JAX_CPU_GEMM='blas': expected one of auto, mkl, xla"):
-    cpu_gemm.setting()
-
-
 _WITHOUT_COMPILER = """
 import logging, jax, jax.numpy as jnp
 logging.basicConfig(level=logging.WARNING)
-from tx_jax.layers import linear
-x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
-print(float(jax.jit(lambda x, w: linear.project(x, w, 1))(x, w).sum()))
+from tx_jax.cpu import projection
+x, w = jnp.ones((200, 3)), jnp.ones((3, 4))
+print(float(jax.jit(lambda x, w: projection.project(x, w, 1))(x, w).sum()) / 100)
 """
 
 
-@pytest.mark.parametrize("setting", ["auto", "mkl"])
-def test_without_a_compiler_auto_falls_back_with_a_warning_and_mkl_is_an_error(setting, tmp_path):
-  env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), cpu_gemm.ENV: setting,
+def test_without_a_compiler_the_cpu_kernels_fall_back_to_xla_with_a_warning(tmp_path):
+  env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"),
          "XDG_CACHE_HOME": str(tmp_path), "JAX_PLATFORMS": "cpu"}
   run = subprocess.run([sys.executable, "-c", _WITHOUT_COMPILER], env=env, capture_output=True,
                        text=True, timeout=120)
-  if setting == "auto":
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.strip() == "24.0"
-    if cpu_gemm.cpu_vendor() == "GenuineIntel":  # elsewhere `auto` does not look for MKL
-      assert "matrix products use XLA's dot on CPU, not MKL" in run.stderr
-  else:
-    assert run.returncode != 0
-    assert "TX_JAX_CPU_GEMM=mkl, but MKL's GEMM is unavailable" in run.stderr
+  assert run.returncode == 0, run.stderr
+  assert run.stdout.strip() == "24.0"
+  assert "model.kernels='cpu' multiplies with XLA's dot, not MKL" in run.stderr
 
 
 @pytest.mark.parametrize("trans_a, trans_b", [(False, False), (True, False), (False, True)])
@@ -181,14 +169,3 @@ def test_batched_gemm_matches_numpy(batch, trans_a, trans_b):
   a64 = np.swapaxes(a, 1, 2) if trans_a else a
   b64 = np.swapaxes(b, 1, 2) if trans_b else b
   np.testing.assert_allclose(np.asarray(got), a64.astype(np.float64) @ b64, rtol=0, atol=1e-4)
-
-
-@pytest.mark.parametrize("vendor, expected", [("GenuineIntel", True), ("AuthenticAMD", False)])
-def test_auto_uses_mkl_on_intel_cpus_only_and_mkl_anywhere(vendor, expected, monkeypatch):
-  monkeypatch.setattr(cpu_gemm, "cpu_vendor", lambda: vendor)
-  x, w = jnp.ones((2, 64, 6)), jnp.ones((6, 8))
-  lower = lambda: jax.jit(lambda x, w: linear.project(x, w, 1)).lower(x, w).as_text()  # noqa: E731
-  monkeypatch.setenv(cpu_gemm.ENV, "auto")
-  assert (cpu_gemm.TARGET in lower()) == expected
-  monkeypatch.setenv(cpu_gemm.ENV, "mkl")
-  assert cpu_gemm.TARGET in lower()
