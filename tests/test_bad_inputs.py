@@ -4,9 +4,9 @@ Every case asserts the exit code (2: usage / config, 1: run time), that the one 
 names the field or file, that no file under any checkpoints*/ directory (nor the run's
 config.json) changed, and that it took under 30 s (no network wait: offline data fails at
 once). Faults while saving and restoring (a full disk, a step missing its state) are rows
-too: a damaged step that is set aside (exit 0) must arrive in checkpoints_damaged/ intact. The cases run in one
-subprocess that forks per case after importing the libraries once (tests/bad_input_runner.py),
-and three of them again as real `python -m` processes.
+too: a damaged step that is set aside (exit 0) must arrive in checkpoints_damaged/ intact.
+The cases run in one subprocess that forks per case after importing the libraries once
+(tests/bad_input_runner.py), and three of them again as real `python -m` processes.
 
 `python -m tests.test_bad_inputs` prints the table (case, exit code, message) as markdown.
 """

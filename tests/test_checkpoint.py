@@ -20,7 +20,7 @@ import pytest
 
 from configs import gpt, train_defaults
 from tests import disk_faults
-from tx_jax import checkpoint, checksums, orbax_noise
+from tx_jax import checkpoint, checkpoint_errors, checksums, orbax_noise
 from tx_jax.train import loop
 
 
@@ -234,6 +234,21 @@ def test_a_failed_save_names_the_step_the_cause_and_the_last_good_one(
   state, step = _manager(tmp_path).restore_latest(_abstract(_state(0.0)))
   assert step == 1
   _equal(state, _state(1.0))
+
+
+def test_a_failed_write_reads_as_the_systems_words():
+  tensorstore = ValueError(  # as TensorStore raised it on a full tmpfs
+      'RESOURCE_EXHAUSTED: Error writing local file "/w/checkpoints/40.orbax-checkpoint-tmp/'
+      'state.orbax-checkpoint-tmp/_sharding": Failed to write 59945 bytes to file 7: No space '
+      "left on device [os_error_code='28']"
+  )
+  cause = checkpoint_errors.write_cause
+  assert cause(tensorstore) == "No space left on device"
+  assert cause(PermissionError(13, "Permission denied", "/w/checkpoints")) == "Permission denied"
+  wrapped = RuntimeError("commit failed")
+  wrapped.__cause__ = OSError(122, "Disk quota exceeded")
+  assert cause(wrapped) == "Disk quota exceeded"
+  assert cause(ValueError("on-disk value metadata tree structures do not match")) is None
 
 
 def test_a_failed_saves_unfinished_folder_is_removed_without_a_warning(tmp_path, caplog):

@@ -23,9 +23,7 @@ a failed read) is moved to `checkpoints_damaged/`.
 """
 
 import json
-import os
 import pathlib
-import re
 import shutil
 import zlib
 from typing import Any
@@ -38,56 +36,15 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
-from tx_jax import checksums, validation
+from tx_jax import checkpoint_errors, checksums, validation
 
 ON_CORRUPT = validation.ON_CORRUPT
 
 
-class CheckpointError(RuntimeError):
-  """A checkpoint could not be written or restored; the message says which and why."""
-
-
-class CheckpointMismatchError(CheckpointError, ValueError):
-  """A good checkpoint written for another model config: the config is wrong, not the file.
-
-  A ValueError too, so entry points report it as a config error (exit 2).
-  """
-
-
-class CheckpointSaveError(CheckpointError):
-  """A checkpoint could not be written: the run must stop before it trains what it cannot keep."""
-
-
-# Orbax's words for an on-disk tree that differs from the requested one.
-_MISMATCH = re.compile(
-    r"tree structure|structures do not match|shape|Missing keys|not found in", re.I
-)
-
-
-# TensorStore reports a failed write as a ValueError ("RESOURCE_EXHAUSTED: Error writing ...
-# [os_error_code='28']"); Python's own file operations (grain's, Orbax's) as an OSError.
-_WRITE_ERRORS = (OSError, ValueError)
-_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
-_WRITE_WORDS = re.compile(r"Error writing|Failed writing|Failed to write|RESOURCE_EXHAUSTED")
-
-
-def _write_cause(error: BaseException) -> str | None:
-  """The system's words for why a write failed ("No space left on device"), or None when
-  `error` is not a failed write."""
-  seen = set()
-  e = error
-  while e is not None and id(e) not in seen:
-    seen.add(id(e))
-    if isinstance(e, OSError):
-      return e.strerror or (str(e).splitlines() or [type(e).__name__])[0][:200]
-    text = str(e)
-    code = _OS_ERROR_CODE.search(text)
-    if code:
-      return os.strerror(int(code.group(1)))
-    if isinstance(e, ValueError) and _WRITE_WORDS.search(text):
-      return text.splitlines()[0][:200]
-    e = e.__cause__ or e.__context__
-  return None
+# The exception types live beside the rules that sort Orbax's errors; re-exported here.
+CheckpointError = checkpoint_errors.CheckpointError
+CheckpointMismatchError = checkpoint_errors.CheckpointMismatchError
+CheckpointSaveError = checkpoint_errors.CheckpointSaveError
 
 
 def data_fingerprint(state: Any) -> int:
@@ -194,7 +151,8 @@ class Checkpointer:
 
     Raises CheckpointSaveError when this save, or an earlier one still unchecked, failed.
     """
-    self.check_saves()
+    if self._saving is not None or self._failure is not None:
+      self.wait()  # as Orbax would, but a failure here is named with its own step
     if step in self.manager.all_steps():
       return
     sums, finite = checksums.fingerprint(state)
@@ -219,7 +177,7 @@ class Checkpointer:
     self._saving = step
     try:
       self.manager.save(step, args=ocp.args.Composite(**items), metrics=kept, force=True)
-    except _WRITE_ERRORS as e:
+    except checkpoint_errors.WRITE_ERRORS as e:
       raise self._save_failed(step, e) from e
     if missing_metric:
       self.wait()
@@ -317,7 +275,7 @@ class Checkpointer:
       except CheckpointMismatchError:
         raise
       except ValueError as e:
-        if _MISMATCH.search(str(e)):  # Orbax: the on-disk tree is not the config's
+        if checkpoint_errors.MISMATCH.search(str(e)):  # Orbax: the on-disk tree is not the config's
           raise CheckpointMismatchError(
               f"checkpoint step {step} at {self.directory / str(step)} does not match the "
               f"config ({str(e).splitlines()[0][:200]}); it was left in place: train with the "
@@ -423,7 +381,7 @@ class Checkpointer:
     step = self._saving
     try:
       self.manager.wait_until_finished()
-    except _WRITE_ERRORS as e:
+    except checkpoint_errors.WRITE_ERRORS as e:
       raise self._save_failed(step, e) from e
     self._saving = None
 
@@ -432,7 +390,7 @@ class Checkpointer:
 
   def _save_failed(self, step: int | None, error: BaseException) -> CheckpointSaveError:
     """Records a failed write (re-raising anything else) and removes its unfinished folder."""
-    cause = _write_cause(error)
+    cause = checkpoint_errors.write_cause(error)
     if cause is None:  # not a failed write: a bug or a wrong setup, reported as it is
       raise error
     if jax.process_index() == 0:
@@ -462,7 +420,7 @@ class Checkpointer:
     finally:
       try:
         self.manager.close()
-      except _WRITE_ERRORS as e:
+      except checkpoint_errors.WRITE_ERRORS as e:
         if self._failure is None or e is not self._orbax_error:
           raise  # Orbax re-raises a failed save's error on every wait; it was reported
 

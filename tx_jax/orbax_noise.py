@@ -42,6 +42,9 @@ def _is_noise(unraisable) -> bool:
   return inspect.iscoroutine(obj) and "orbax" in obj.cr_code.co_filename
 
 
+_FORMAT = logging.Formatter("%(levelname)s %(pathname)s:%(lineno)d %(message)s")
+
+
 def _from_orbax(record: logging.LogRecord) -> bool:
   """An ERROR that Orbax logs from a worker thread, with the thread's traceback."""
   return record.levelno >= logging.ERROR and "/orbax/" in record.pathname.replace("\\", "/")
@@ -56,7 +59,7 @@ class _Filter(logging.Filter):
 
   def filter(self, record: logging.LogRecord) -> bool:
     if self.wanted(record):
-      self.hold(logging.Formatter("%(levelname)s %(pathname)s:%(lineno)d %(message)s").format(record))
+      self.hold(_FORMAT.format(record))
       return False
     return True
 
@@ -133,4 +136,5 @@ class HeldBack:
     with self._lock:
       kept, count = list(self.kept), self.count
     more = f"\n... and {count - len(kept)} more\n" if count > len(kept) else ""
-    path.write_text(f"{count} reports of Orbax's worker threads, held back:\n\n" + "\n".join(kept) + more)
+    head = f"{count} reports of Orbax's worker threads, held back:\n\n"
+    path.write_text(head + "\n".join(kept) + more)

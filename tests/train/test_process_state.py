@@ -26,7 +26,8 @@ def _config(steps: int):
   m.num_layers, m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 1, 32, 2, 2, 16, 64
   config.data.seq_len, config.data.global_batch_size, config.data.eval_global_batch_size = 16, 8, 8
   t = config.train
-  t.steps, t.eval_every, t.log_every, t.eval_batches, t.plot, t.progress = steps, 0, 1, 1, False, "log"
+  t.steps, t.eval_every, t.log_every, t.eval_batches = steps, 0, 1, 1
+  t.plot, t.progress = False, "log"
   config.schedule.warmup_steps = 1
   config.checkpoint.every = 1
   config.mesh.cpu_devices = 1

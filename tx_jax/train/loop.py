@@ -150,7 +150,7 @@ def train_and_evaluate(
   counted.
   """
   wall_start = time.time()
-  sharding.use_cpu_devices(config.mesh)  # before validation starts JAX; an error if it has too few
+  sharding.use_cpu_devices(config.mesh)  # before validation starts JAX; an error if too few
   validate(config)  # the mesh too: validation.train_config ends with sharding.validate
   run = run_lib.setup(config, pathlib.Path(workdir))
   total, eval_every, save_every = config.train.steps, config.train.eval_every, config.checkpoint.every
