@@ -143,6 +143,10 @@ def train_and_evaluate(
   Writes config.json, metrics.jsonl, TensorBoard events under tensorboard/, checkpoints/
   and curves.png. Stops early, after saving, on SIGTERM / SIGINT (summary["preempted"]).
 
+  Process-wide state is left as it was (no environment, malloc or hook changes; those are
+  the entry points', tx_jax.cli.PROCESS_SETTINGS), except that SIGTERM / SIGINT handlers
+  are installed while it trains and restored on return.
+
   `after_log(step)` runs after each training log line, once that step has finished and
   with the throughput clock paused: whatever it runs (the benchmark times other
   contestants there, round by round) neither shares the device with a training step nor
