@@ -7,6 +7,7 @@ from a notebook or a test, must not.
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 import warnings
@@ -14,9 +15,12 @@ import warnings
 import jax
 
 from configs import gpt
+from tests.train import runs
 from tx_jax import host_memory
 from tx_jax.train import loop
 from tx_jax.train import metrics as metrics_lib
+
+REPO = runs.REPO
 
 
 def _config(steps: int):
@@ -69,3 +73,27 @@ def test_training_and_resuming_in_process_change_no_process_state(tmp_path, monk
   result = loop.train_and_evaluate(_config(steps=3), tmp_path)  # a resume: the restore path
   assert result["step"] == 3
   assert _process_state() == before
+
+
+_IMPORT_AND_BUILD = """
+import logging, os, sys, threading, warnings
+import jax  # JAX's own import sets TF_CPP_MIN_LOG_LEVEL if unset: not tx_jax's doing
+def state():
+  return (dict(os.environ), sys.unraisablehook, sys.excepthook, threading.excepthook,
+          list(warnings.filters), [logging.getLogger(n).filters[:] for n in ("absl", "asyncio")])
+before = state()
+import tx_jax, tx_jax.checkpoint, tx_jax.train.loop
+from configs import gpt
+from tx_jax import models
+models.build(gpt.get_config("tiny").model)
+print("unchanged" if state() == before else "changed")
+"""
+
+
+def test_importing_tx_jax_and_building_a_model_change_no_process_state():
+  """In a fresh process, as a notebook would: nothing imported before."""
+  out = subprocess.run(
+      [sys.executable, "-c", _IMPORT_AND_BUILD], cwd=REPO, capture_output=True, text=True,
+      timeout=120, env=runs.env(),
+  )  # fmt: skip
+  assert out.stdout.strip() == "unchanged", out.stdout + out.stderr[-2000:]
