@@ -13,8 +13,10 @@ reported naming the missing part, and set aside or stopped at like any other dam
 
 A save that fails (no space, quota, an I/O error, permissions) raises `CheckpointSaveError`,
 naming the step, the cause and the last good step: at once when saving synchronously, and
-from `check_saves()` (called by the loop at every step) once a background save has failed.
-The failed step's unfinished `*.orbax-checkpoint-tmp` folder is removed.
+once a background save has failed, from the next `save`, `wait` or `close`, or at the
+loop's next step boundary (`save_failed()`, cheap enough for every step). The failed step's
+unfinished `*.orbax-checkpoint-tmp` folder is removed; whatever Orbax's abandoned writes
+still put there, the next run's manager removes (`cleanup_tmp_directories`).
 
 Mismatch is not damage: a checkpoint whose parameter tree or shapes differ from the
 config's (another d_model, another preset) raises `CheckpointMismatchError`, naming the
@@ -275,7 +277,7 @@ class Checkpointer:
       except CheckpointMismatchError:
         raise
       except ValueError as e:
-        if checkpoint_errors.MISMATCH.search(str(e)):  # Orbax: the on-disk tree is not the config's
+        if checkpoint_errors.MISMATCH.search(str(e)):  # Orbax: the tree is not the config's
           raise CheckpointMismatchError(
               f"checkpoint step {step} at {self.directory / str(step)} does not match the "
               f"config ({str(e).splitlines()[0][:200]}); it was left in place: train with the "
@@ -283,7 +285,7 @@ class Checkpointer:
               "--workdir"
           ) from e
         stop = self._damaged(step, e)
-      except (OSError, CheckpointError) as e:  # missing files or items; values failing fingerprints
+      except (OSError, CheckpointError) as e:  # missing files or items; failed fingerprints
         stop = self._damaged(step, e)
       except KeyError as e:  # Orbax: 'Item "state" was not found in the checkpoint'
         if "not found in the checkpoint" not in str(e):
