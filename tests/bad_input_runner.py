@@ -4,7 +4,8 @@
   python -m tests.bad_input_runner run ROOT < cases   # JSON cases in, JSON results out
 
 `run` imports the heavy libraries once, then forks one child per case that runs
-`python -m experiments.<entry> <args>` in-process (runpy, as `-m` does), so a case costs
+`python -m experiments.<entry> <args>` in-process (runpy, as `-m` does; its stdout and stderr
+in separate files), so a case costs
 its own work, not ~5 s of imports. The parent never initialises a JAX backend, so the
 children may. Every file under a `checkpoints*` directory of ROOT, and the config.json
 beside it, is hashed before and after each case; a result lists the files that changed.
@@ -21,6 +22,19 @@ import sys
 import time
 
 CASE_TIMEOUT_S = 120  # a hung case is killed; the test asserts far less (30 s)
+# The tiny Transformer `setup` trains in ROOT/run (2 steps, a checkpoint at each); a case
+# that reruns it with these flags (and --workdir) writes the same config.json.
+TRAIN_FLAGS = [
+    "--config=configs/transformer.py:tiny", "--config.model.d_model=32",
+    "--config.model.num_layers=1", "--config.model.num_decoder_layers=1",
+    "--config.model.num_heads=2", "--config.model.num_kv_heads=2", "--config.model.head_dim=16",
+    "--config.model.mlp_dim=64", "--config.train.steps=2", "--config.checkpoint.every=1",
+    "--config.train.eval_every=0", "--config.train.eval_batches=1",
+    "--config.train.decode_examples=4", "--config.train.print_examples=0",
+    "--config.train.plot=false", "--config.train.progress=log",
+    "--config.schedule.warmup_steps=1", "--config.data.global_batch_size=8",
+    "--config.data.eval_global_batch_size=8",
+]  # fmt: skip
 
 
 def snapshot(root: pathlib.Path) -> dict[str, str]:
@@ -44,8 +58,12 @@ def _child(case: dict, root: pathlib.Path, log: pathlib.Path) -> None:
     os.environ.update({k: v.replace("{ROOT}", str(root)) for k, v in case.get("env", {}).items()})
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(fd, 1)
-    os.dup2(fd, 2)
+    os.dup2(os.open(f"{log}.stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
     args = [a.replace("{ROOT}", str(root)) for a in case["args"]]
+    if case.get("fail_save_of_step"):  # a full disk at that step's save (tests/disk_faults.py)
+      from tests import disk_faults  # pylint: disable=g-import-not-at-top
+
+      disk_faults.install(case["fail_save_of_step"])
     sys.argv = [f"experiments/{case['entry']}.py", *args]
     try:
       runpy.run_module(f"experiments.{case['entry']}", run_name="__main__", alter_sys=True)
@@ -100,10 +118,14 @@ def run(root: pathlib.Path, cases: list[dict]) -> list[dict]:
     seconds = time.monotonic() - start
     after = snapshot(root)
     changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+    stderr = logs / f"{case['id']}.txt.stderr"
     results.append(
-        {"id": case["id"], "rc": rc, "output": log.read_text(errors="replace"),
+        {"id": case["id"], "rc": rc, "stderr": stderr.read_text(errors="replace"),
+         "output": log.read_text(errors="replace") + stderr.read_text(errors="replace"),
          "seconds": seconds, "changed": changed}
     )  # fmt: skip
+    if case.get("moves"):  # the test checks where each file went
+      results[-1].update(before=before, after=after)
   return results
 
 
@@ -113,20 +135,15 @@ def setup(root: pathlib.Path) -> None:
 
   root.mkdir(parents=True, exist_ok=True)
   run_dir = root / "run"
-  train = [
-      sys.executable, "-m", "experiments.train", "--config=configs/transformer.py:tiny",
-      f"--workdir={run_dir}", "--config.model.d_model=32", "--config.model.num_layers=1",
-      "--config.model.num_decoder_layers=1", "--config.model.num_heads=2",
-      "--config.model.num_kv_heads=2", "--config.model.head_dim=16", "--config.model.mlp_dim=64",
-      "--config.train.steps=2", "--config.checkpoint.every=1", "--config.train.eval_every=0",
-      "--config.train.eval_batches=1", "--config.train.decode_examples=4",
-      "--config.train.print_examples=0", "--config.train.plot=false",
-      "--config.train.progress=log", "--config.schedule.warmup_steps=1",
-      "--config.data.global_batch_size=8", "--config.data.eval_global_batch_size=8",
-  ]  # fmt: skip
+  train = [sys.executable, "-m", "experiments.train", *TRAIN_FLAGS, f"--workdir={run_dir}"]
   subprocess.run(train, check=True, capture_output=True, timeout=600)
 
   shutil.copytree(run_dir / "checkpoints", root / "run_noconfig" / "checkpoints")
+  for name in ("run_no_state", "run_no_state_stop"):  # the newest step lost its state/
+    shutil.copytree(run_dir, root / name)
+    shutil.rmtree(root / name / "checkpoints" / "2" / "state")
+  shutil.copytree(run_dir, root / "run_full")  # step 2 to be saved again, onto a "full disk"
+  shutil.rmtree(root / "run_full" / "checkpoints" / "2")
   shutil.copytree(run_dir, root / "run_edited")
   data_file = root / "run_edited" / "checkpoints" / "2" / "data" / "process_0-of-1.json"
   state = json.loads(data_file.read_text())

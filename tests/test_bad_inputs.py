@@ -2,10 +2,11 @@
 
 Every case asserts the exit code (2: usage / config, 1: run time), that the one error line
 names the field or file, that no file under any checkpoints*/ directory (nor the run's
-config.json) changed, and that
-it took under 30 s (no network wait: offline data fails at once). The cases run in one
-subprocess that forks per case after importing the libraries once (tests/bad_input_runner.py),
-and three of them again as real `python -m` processes.
+config.json) changed, and that it took under 30 s (no network wait: offline data fails at
+once). Faults while saving and restoring (a full disk, a step missing its state) are rows
+too: a damaged step that is set aside (exit 0) must arrive in checkpoints_damaged/ intact.
+The cases run in one subprocess that forks per case after importing the libraries once
+(tests/bad_input_runner.py), and three of them again as real `python -m` processes.
 
 `python -m tests.test_bad_inputs` prints the table (case, exit code, message) as markdown.
 """
@@ -20,6 +21,7 @@ import sys
 
 import pytest
 
+from tests import bad_input_runner
 from tests.train import runs
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -35,9 +37,15 @@ _SMALL = [  # the shape the run was trained with
 ]  # fmt: skip
 
 
-def case(id_, entry, args, code, *names, env=None):
+_TRAINED = bad_input_runner.TRAIN_FLAGS  # rerunning ROOT/run's own command
+
+
+def case(id_, entry, args, code, *names, env=None, **extra):
+  """`extra`: fail_save_of_step=N (that save fails as on a full disk, tests/disk_faults.py);
+  moves=(FROM, TO): a damaged step set aside from FROM to TO, then saved again;
+  one_line=True: stderr holds nothing but the message line."""
   return {"id": id_, "entry": entry, "args": list(args), "code": code, "names": names,
-          "env": env or {}}  # fmt: skip
+          "env": env or {}, **extra}  # fmt: skip
 
 
 CASES = [
@@ -120,6 +128,20 @@ CASES = [
     case("edited data state, on_corrupt=stop", "train", ["--config=configs/transformer.py:tiny",
          "--workdir={ROOT}/run_edited", *_SMALL, "--config.model.d_model=32",
          "--config.checkpoint.on_corrupt=stop"], 1, "step 2", "data iterator state"),
+    # --- train: faults while saving and restoring ---
+    case("save onto a full disk", "train", [*_TRAINED, "--workdir={ROOT}/run_full"], 1,
+         "could not save checkpoint step 2 in", "run_full/checkpoints/2",
+         "No space left on device", "the last good checkpoint is step 1", fail_save_of_step=2,
+         one_line=True),
+    case("checkpoint missing its state, on_corrupt=stop", "train", [*_TRAINED,
+         "--workdir={ROOT}/run_no_state_stop", "--config.checkpoint.on_corrupt=stop"], 1,
+         "checkpoint step 2 at", "run_no_state_stop/checkpoints/2", "missing state/",
+         "on_corrupt='stop'", one_line=True),
+    case("checkpoint missing its state, on_corrupt=fallback", "train",
+         [*_TRAINED, "--workdir={ROOT}/run_no_state"], 0, "checkpoint step 2 at",
+         "missing state/", "falling back",
+         moves=("run_no_state/checkpoints/2/", "run_no_state/checkpoints_damaged/2/"),
+         one_line=True),
     # --- decode ---
     case("decode: no --workdir", "decode", ["--prompt=hi"], 2, "--workdir"),
     case("decode: workdir without config", "decode", ["--workdir={ROOT}/no_config", "--prompt=hi"],
@@ -195,6 +217,27 @@ def error_line(output: str) -> str:
   return lines[-1] if lines else ""
 
 
+def message_line(spec: dict, result: dict) -> str:
+  """The `error:` line; for a run that goes on (exit 0), the one stderr line that names the
+  damaged step."""
+  if spec["code"] != 0:
+    return error_line(result["output"])
+  lines = [line for line in result["stderr"].splitlines() if spec["names"][0] in line]
+  return lines[-1] if lines else ""
+
+
+def assert_set_aside_intact(result: dict, moves: tuple[str, str]) -> None:
+  """Every file of FROM is under TO, unchanged; every other file is unchanged; only FROM
+  (saved again by the run) and TO hold new files."""
+  source, target = moves
+  before, after = result["before"], result["after"]
+  for path, digest in before.items():
+    moved = target + path[len(source) :] if path.startswith(source) else path
+    assert after.get(moved) == digest, (path, moved)
+  new = [p for p in after if p not in before and not p.startswith((source, target))]
+  assert not new, new
+
+
 @pytest.fixture(scope="module")
 def fixtures(tmp_path_factory) -> pathlib.Path:
   root = tmp_path_factory.mktemp("bad_inputs")
@@ -226,13 +269,19 @@ def test_at_least_40_cases_over_train_decode_and_convert():
 @pytest.mark.parametrize("spec", CASES, ids=[c["id"] for c in CASES])
 def test_bad_input(results, spec):
   result = results[spec["id"]]
-  line = error_line(result["output"])
+  line = message_line(spec, result)
   assert result["rc"] == spec["code"], result["output"][-3000:]
   assert line, f"no 'error: ' line in:\n{result['output'][-3000:]}"
   assert "Traceback" not in result["output"], result["output"][-3000:]
   for name in spec["names"]:
     assert name in line, (name, line)
-  assert result["changed"] == [], result["changed"]
+  if spec.get("moves"):
+    assert_set_aside_intact(result, spec["moves"])
+  else:  # a failed save's unfinished folder is no checkpoint (the next run removes it)
+    changed = [c for c in result["changed"] if ".orbax-checkpoint-tmp" not in c]
+    assert changed == [], changed
+  if spec.get("one_line"):  # stderr holds that line and nothing else
+    assert result["stderr"].strip().splitlines() == [line], result["stderr"][-3000:]
   assert result["seconds"] < MAX_SECONDS, result["seconds"]
 
 
@@ -261,7 +310,7 @@ def markdown_table(results: dict[str, dict]) -> str:
   rows = ["| case | entry | exit | message |", "| --- | --- | --- | --- |"]
   for spec in CASES:
     r = results.get(spec["id"], {})
-    message = error_line(r.get("output", "")).replace("|", "\\|")
+    message = message_line(spec, r).replace("|", "\\|") if r else ""
     rows.append(f"| {spec['id']} | {spec['entry']} | {r.get('rc')} | `{message}` |")
   return "\n".join(rows)
 

@@ -2,10 +2,15 @@
 
 import gc
 import json
+import logging
 import os
 import pathlib
+import re
+import shutil
 import subprocess
 import sys
+import time
+import warnings
 
 import grain
 import jax
@@ -14,7 +19,8 @@ import numpy as np
 import pytest
 
 from configs import gpt, train_defaults
-from tx_jax import checkpoint, checksums
+from tests import disk_faults
+from tx_jax import checkpoint, checkpoint_errors, checksums, orbax_noise
 from tx_jax.train import loop
 
 
@@ -95,7 +101,8 @@ def test_damaged_newest_falls_back_to_previous(tmp_path, damage, caplog, capfd):
     mid = len(raw) // 2
     raw[mid : mid + 8] = bytes(b ^ 0xFF for b in raw[mid : mid + 8])
     biggest.write_bytes(bytes(raw))
-  with caplog.at_level("WARNING"):
+  # What cli.run puts around a command; the library itself leaves the hooks alone.
+  with caplog.at_level("WARNING"), orbax_noise.HeldBack():
     state, step = _manager(tmp_path).restore_latest(_abstract(_state(0.0)), _iterator())
   assert step == 1
   _equal(state, _state(1.0))
@@ -128,7 +135,8 @@ def test_a_run_resuming_past_a_truncated_step_prints_only_the_fallback(
   os.truncate(biggest, 100_000)
   capfd.readouterr()
   config.train.steps = 30
-  loop.train_and_evaluate(config, tmp_path)
+  with orbax_noise.HeldBack():  # as cli.run runs experiments.train
+    loop.train_and_evaluate(config, tmp_path)
   gc.collect()  # the abandoned reads' coroutines would report here at the latest
   printed = capfd.readouterr()
   assert not unraisable, [str(u.exc_value)[:200] for u in unraisable[:3]]
@@ -152,6 +160,107 @@ def test_an_error_that_is_not_damage_propagates_and_moves_nothing(tmp_path, monk
     _manager(tmp_path).restore_latest(_abstract(_state(0.0)), _iterator())
   assert (tmp_path / "checkpoints" / "2").is_dir()
   assert not (tmp_path / "checkpoints_damaged").exists()
+
+
+def test_restoring_past_damage_leaves_the_process_hooks_alone(tmp_path, capfd, monkeypatch):
+  """Without an entry point's HeldBack, Orbax's noise is printed, but no hook is swapped."""
+  seen = []  # the hooks while each step is read
+  restore_step = checkpoint.Checkpointer._restore_step
+
+  def recording(self, *args):
+    seen.append((sys.unraisablehook, sys.excepthook, list(warnings.filters)))
+    return restore_step(self, *args)
+
+  monkeypatch.setattr(checkpoint.Checkpointer, "_restore_step", recording)
+  ck = _manager(tmp_path)
+  _save_steps(ck, [1, 2])
+  files = [p for p in (tmp_path / "checkpoints" / "2" / "state").rglob("*") if p.is_file()]
+  biggest = max(files, key=lambda p: p.stat().st_size)
+  os.truncate(biggest, biggest.stat().st_size // 2)
+  hooks = (sys.unraisablehook, sys.excepthook, list(warnings.filters))
+  filters = [logging.getLogger(n).filters[:] for n in ("absl", "asyncio")]
+  _, step = _manager(tmp_path).restore_latest(_abstract(_state(0.0)), _iterator())
+  gc.collect()
+  assert step == 1
+  assert seen == [hooks, hooks]
+  assert (sys.unraisablehook, sys.excepthook, list(warnings.filters)) == hooks
+  assert [logging.getLogger(n).filters for n in ("absl", "asyncio")] == filters
+  capfd.readouterr()
+
+
+@pytest.mark.parametrize("item", ["state", "data", "meta"])
+@pytest.mark.parametrize("on_corrupt", ["fallback", "stop"])
+def test_a_step_missing_an_item_is_damage(tmp_path, item, on_corrupt, caplog):
+  ck = _manager(tmp_path)
+  _save_steps(ck, [1, 2])
+  ck.close()
+  kept = {p: p.read_bytes() for p in (tmp_path / "checkpoints" / "1").rglob("*") if p.is_file()}
+  shutil.rmtree(tmp_path / "checkpoints" / "2" / item)
+  restoring = _manager(tmp_path, on_corrupt=on_corrupt)
+  if on_corrupt == "stop":
+    with pytest.raises(checkpoint.CheckpointError, match=f"step 2 at .*[(]missing {item}/"):
+      restoring.restore_latest(_abstract(_state(0.0)), _iterator())
+    assert (tmp_path / "checkpoints" / "2").is_dir()  # left where it is
+  else:
+    with caplog.at_level("WARNING"):
+      state, step = restoring.restore_latest(_abstract(_state(0.0)), _iterator())
+    assert step == 1
+    _equal(state, _state(1.0))
+    assert re.search(f"checkpoint step 2 at .*[(]missing {item}/.* falling back", caplog.text)
+    assert (tmp_path / "checkpoints_damaged" / "2").is_dir()
+  assert {p: p.read_bytes() for p in kept} == kept  # the good step is untouched
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_failed_save_names_the_step_the_cause_and_the_last_good_one(
+    tmp_path, monkeypatch, async_save
+):
+  monkeypatch.setattr(disk_faults.HANDLER, "_save_fn", disk_faults.failing_save_fn(2))
+  ck = _manager(tmp_path, async_save=async_save)
+  ck.save(1, _state(1.0))
+  with pytest.raises(checkpoint.CheckpointSaveError) as failed:
+    ck.save(2, _state(2.0))  # a synchronous save fails here, a background one at a check
+    for _ in range(200):  # the loop's check at each step boundary
+      ck.check_saves()
+      time.sleep(0.01)
+  message = str(failed.value)
+  assert f"could not save checkpoint step 2 in {tmp_path / 'checkpoints' / '2'}: " in message
+  assert "No space left on device; the last good checkpoint is step 1" in message
+  with pytest.raises(checkpoint.CheckpointSaveError):  # no further save starts
+    ck.save(3, _state(3.0))
+  ck.close()  # Orbax's own copy of the error, already reported, is not raised again
+  saved = [p.name for p in (tmp_path / "checkpoints").iterdir() if "tmp" not in p.name]
+  assert saved == ["1"]
+  state, step = _manager(tmp_path).restore_latest(_abstract(_state(0.0)))
+  assert step == 1
+  _equal(state, _state(1.0))
+
+
+def test_a_failed_write_reads_as_the_systems_words():
+  tensorstore = ValueError(  # as TensorStore raised it on a full tmpfs
+      'RESOURCE_EXHAUSTED: Error writing local file "/w/checkpoints/40.orbax-checkpoint-tmp/'
+      'state.orbax-checkpoint-tmp/_sharding": Failed to write 59945 bytes to file 7: No space '
+      "left on device [os_error_code='28']"
+  )
+  cause = checkpoint_errors.write_cause
+  assert cause(tensorstore) == "No space left on device"
+  assert cause(PermissionError(13, "Permission denied", "/w/checkpoints")) == "Permission denied"
+  wrapped = RuntimeError("commit failed")
+  wrapped.__cause__ = OSError(122, "Disk quota exceeded")
+  assert cause(wrapped) == "Disk quota exceeded"
+  assert cause(ValueError("on-disk value metadata tree structures do not match")) is None
+
+
+def test_a_failed_saves_unfinished_folder_is_removed_without_a_warning(tmp_path, caplog):
+  unfinished = tmp_path / "checkpoints" / "7.orbax-checkpoint-tmp" / "state.orbax-checkpoint-tmp"
+  unfinished.mkdir(parents=True)
+  (unfinished / "_sharding").write_text("{}")
+  with caplog.at_level("WARNING"):
+    ck = _manager(tmp_path)
+    _save_steps(ck, [1])
+    ck.close()
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1"]
+  assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
 def test_damaged_newest_stops_naming_the_step(tmp_path):

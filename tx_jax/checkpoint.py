@@ -8,6 +8,16 @@ checkpoint is detected instead of loaded; the manager then falls back to the pre
 step or stops naming the damaged one (`config.checkpoint.on_corrupt`). Non-finite states are
 never written.
 
+A missing item is damage too: a step without its `state/`, `data/` or `meta/` folder is
+reported naming the missing part, and set aside or stopped at like any other damage.
+
+A save that fails (no space, quota, an I/O error, permissions) raises `CheckpointSaveError`,
+naming the step, the cause and the last good step: at once when saving synchronously, and
+once a background save has failed, from the next `save`, `wait` or `close`, or at the
+loop's next step boundary (`save_failed()`, cheap enough for every step). The failed step's
+unfinished `*.orbax-checkpoint-tmp` folder is removed; whatever Orbax's abandoned writes
+still put there, the next run's manager removes (`cleanup_tmp_directories`).
+
 Mismatch is not damage: a checkpoint whose parameter tree or shapes differ from the
 config's (another d_model, another preset) raises `CheckpointMismatchError`, naming the
 differing fields, and is left where it is. Only real corruption (a fingerprint mismatch or
@@ -16,7 +26,6 @@ a failed read) is moved to `checkpoints_damaged/`.
 
 import json
 import pathlib
-import re
 import shutil
 import zlib
 from typing import Any
@@ -29,26 +38,15 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
-from tx_jax import checksums, failed_read_noise, validation
+from tx_jax import checkpoint_errors, checksums, validation
 
 ON_CORRUPT = validation.ON_CORRUPT
 
 
-class CheckpointError(RuntimeError):
-  """A checkpoint could not be written or restored; the message says which and why."""
-
-
-class CheckpointMismatchError(CheckpointError, ValueError):
-  """A good checkpoint written for another model config: the config is wrong, not the file.
-
-  A ValueError too, so entry points report it as a config error (exit 2).
-  """
-
-
-# Orbax's words for an on-disk tree that differs from the requested one.
-_MISMATCH = re.compile(
-    r"tree structure|structures do not match|shape|Missing keys|not found in", re.I
-)
+# The exception types live beside the rules that sort Orbax's errors; re-exported here.
+CheckpointError = checkpoint_errors.CheckpointError
+CheckpointMismatchError = checkpoint_errors.CheckpointMismatchError
+CheckpointSaveError = checkpoint_errors.CheckpointSaveError
 
 
 def data_fingerprint(state: Any) -> int:
@@ -131,6 +129,8 @@ class Checkpointer:
         preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
         enable_async_checkpointing=ckpt_cfg.async_save,
         create=True,
+        # The unfinished folder of a save a SIGKILL interrupted is removed, quietly.
+        cleanup_tmp_directories=True,
     )
     self.manager = ocp.CheckpointManager(
         self.directory,
@@ -138,6 +138,9 @@ class Checkpointer:
         item_names=("state", "data", "meta"),
         item_handlers={"state": state_handler()},
     )
+    self._saving = None  # the newest step handed to Orbax, until its save is known finished
+    self._failure: CheckpointSaveError | None = None
+    self._orbax_error: BaseException | None = None  # what Orbax re-raises for the failed save
 
   def latest_step(self) -> int | None:
     """The newest saved step, or None."""
@@ -146,7 +149,12 @@ class Checkpointer:
   def save(
       self, step: int, state: Any, data_iter: Any = None, metrics: dict[str, float] | None = None
   ) -> None:
-    """Starts saving `state` (and the iterator state) at `step`; refuses non-finite states."""
+    """Starts saving `state` (and the iterator state) at `step`; refuses non-finite states.
+
+    Raises CheckpointSaveError when this save, or an earlier one still unchecked, failed.
+    """
+    if self._saving is not None or self._failure is not None:
+      self.wait()  # as Orbax would, but a failure here is named with its own step
     if step in self.manager.all_steps():
       return
     sums, finite = checksums.fingerprint(state)
@@ -168,9 +176,13 @@ class Checkpointer:
     )
     # The state is saved either way: a bookkeeping error must never lose a trained model.
     kept = None if missing_metric else metrics
-    self.manager.save(step, args=ocp.args.Composite(**items), metrics=kept, force=True)
+    self._saving = step
+    try:
+      self.manager.save(step, args=ocp.args.Composite(**items), metrics=kept, force=True)
+    except checkpoint_errors.WRITE_ERRORS as e:
+      raise self._save_failed(step, e) from e
     if missing_metric:
-      self.manager.wait_until_finished()
+      self.wait()
       raise CheckpointError(
           f"config.checkpoint.best_metric={self.cfg.best_metric!r} is not among the eval "
           f"metrics {sorted(metrics)}; step {step} was saved without it"
@@ -256,43 +268,51 @@ class Checkpointer:
     """
     self.manager.reload()
     steps = sorted(self.manager.all_steps(), reverse=True)
-    # Around the whole search: a failed read's exception (which holds Orbax's abandoned
-    # reads) is released by the time the noise they make is waited out, so the error that
-    # stops the run is raised only after the block.
-    stop = None
-    with failed_read_noise.HeldBack() as noise:
-      for step in steps:
+    for step in steps:
+      stop = None
+      try:
+        self._check_items(step, with_data=data_iter is not None)
         self._check_match(step, abstract_state)  # a mismatch is the config's fault: no fallback
-        try:
-          return self._restore_step(step, abstract_state, data_iter), step
-        except CheckpointMismatchError:
+        return self._restore_step(step, abstract_state, data_iter), step
+      except CheckpointMismatchError:
+        raise
+      except ValueError as e:
+        if checkpoint_errors.MISMATCH.search(str(e)):  # Orbax: the tree is not the config's
+          raise CheckpointMismatchError(
+              f"checkpoint step {step} at {self.directory / str(step)} does not match the "
+              f"config ({str(e).splitlines()[0][:200]}); it was left in place: train with the "
+              "config it was written with (--config=configs/workdir.py:WORKDIR) or use another "
+              "--workdir"
+          ) from e
+        stop = self._damaged(step, e)
+      except (OSError, CheckpointError) as e:  # missing files or items; failed fingerprints
+        stop = self._damaged(step, e)
+      except KeyError as e:  # Orbax: 'Item "state" was not found in the checkpoint'
+        if "not found in the checkpoint" not in str(e):
           raise
-        except ValueError as e:
-          if _MISMATCH.search(str(e)):  # Orbax: the on-disk tree is not the config's
-            raise CheckpointMismatchError(
-                f"checkpoint step {step} at {self.directory / str(step)} does not match the "
-                f"config ({str(e).splitlines()[0][:200]}); it was left in place: train with the "
-                "config it was written with (--config=configs/workdir.py:WORKDIR) or use another "
-                "--workdir"
-            ) from e
-          stop = self._damaged(step, e)
-        except (OSError, CheckpointError) as e:  # missing files; values failing fingerprints
-          stop = self._damaged(step, e)
-        except Exception as e:  # noqa: BLE001
-          # Orbax reports an array it cannot read (a truncated or garbled file) as a bare
-          # Exception. Anything more specific is a bug or a wrong setup, not damage: it
-          # propagates and the step stays where it is.
-          if type(e) is not Exception:
-            raise
-          stop = self._damaged(step, e)
-        noise.read_failed()  # reached only when this step was damaged
-        if stop is not None:
-          break
-    if stop is not None:
-      raise stop
+        stop = self._damaged(step, e)
+      except Exception as e:  # noqa: BLE001
+        # Orbax reports an array it cannot read (a truncated or garbled file) as a bare
+        # Exception. Anything more specific is a bug or a wrong setup, not damage: it
+        # propagates and the step stays where it is.
+        if type(e) is not Exception:
+          raise
+        stop = self._damaged(step, e)
+      if stop is not None:  # raised here, not in the except: no chain to Orbax's internals
+        raise stop
     if steps:
       raise CheckpointError(f"every checkpoint in {self.directory} (steps {steps}) is damaged")
     return None
+
+  def _check_items(self, step: int, with_data: bool) -> None:
+    """Raises CheckpointError naming the items step lacks (Orbax's KeyError names no step)."""
+    wanted = {"state": "the train state", "meta": "the fingerprints"}
+    if with_data:
+      wanted["data"] = "the data iterator's position"
+    where = self.directory / str(step)
+    missing = [f"{k}/, {v}" for k, v in wanted.items() if not (where / k).is_dir()]
+    if missing:
+      raise CheckpointError(f"missing {', and '.join(missing)}")
 
   def _damaged(self, step: int, error: Exception) -> CheckpointError | None:
     """The error that stops the run, naming the damaged step; or None once the step is
@@ -300,7 +320,8 @@ class Checkpointer:
     e = error
     while e.__cause__ is not None:  # Orbax wraps the reader's own message ("OUT_OF_RANGE: ...")
       e = e.__cause__
-    reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+    first = str(e).splitlines()[0] if str(e) else ""
+    reason = (first if type(e) is CheckpointError else f"{type(e).__name__}: {first}")[:300]
     where = self.directory / str(step)
     if self.cfg.on_corrupt == "stop":
       return CheckpointError(
@@ -329,14 +350,81 @@ class Checkpointer:
     self.manager.reload()
     return target
 
+  # --- failed saves: the run stops at the next step boundary, naming the last good step ---
+  def save_failed(self) -> bool:
+    """Whether a save failed; cheap while a save is in flight or none is (once per step)."""
+    if self._failure is None and self._saving is not None:
+      if not self.manager.is_saving_in_progress():
+        try:
+          self.wait()
+        except CheckpointSaveError:
+          pass  # recorded in self._failure
+    return self._failure is not None
+
+  def check_saves(self) -> None:
+    """Raises CheckpointSaveError when a save has failed (see save_failed)."""
+    if self.save_failed():
+      raise self._failure
+
+  def raise_save_failure(self) -> None:
+    """Raises this process's CheckpointSaveError, or one naming another process's failure."""
+    if self._failure is not None:
+      raise self._failure
+    raise CheckpointSaveError(
+        f"another process could not save checkpoint step {self._saving} in {self.directory}; "
+        f"its error line names the cause. The last good checkpoint is step "
+        f"{self._last_good(self._saving)}"
+    )
+
   def wait(self) -> None:
-    """Blocks until pending asynchronous saves are on disk."""
-    self.manager.wait_until_finished()
+    """Blocks until pending asynchronous saves are on disk; CheckpointSaveError if one failed."""
+    if self._failure is not None:
+      raise self._failure
+    step = self._saving
+    try:
+      self.manager.wait_until_finished()
+    except checkpoint_errors.WRITE_ERRORS as e:
+      raise self._save_failed(step, e) from e
+    self._saving = None
+
+  def _last_good(self, failed: int | None) -> int | None:
+    return max((s for s in self.manager.all_steps() if s != failed), default=None)
+
+  def _save_failed(self, step: int | None, error: BaseException) -> CheckpointSaveError:
+    """Records a failed write (re-raising anything else) and removes its unfinished folder."""
+    cause = checkpoint_errors.write_cause(error)
+    if cause is None:  # not a failed write: a bug or a wrong setup, reported as it is
+      raise error
+    if jax.process_index() == 0:
+      for unfinished in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+        # What cannot be removed now, the next run's manager removes (cleanup_tmp_directories).
+        shutil.rmtree(unfinished, ignore_errors=True)
+    last = self._last_good(step)
+    resume = (
+        f"the last good checkpoint is step {last}. Free space (or fix the cause) and rerun the "
+        f"same command to resume from step {last}"
+        if last is not None
+        else "no checkpoint was saved before it. Free space (or fix the cause) and rerun the "
+        "same command to start again"
+    )
+    self._orbax_error = error
+    self._failure = CheckpointSaveError(
+        f"could not save checkpoint step {step} in {self.directory / str(step)}: {cause}; "
+        f"{resume}"
+    )
+    return self._failure
 
   def close(self) -> None:
-    """Finishes pending saves and releases the manager."""
-    self.manager.wait_until_finished()
-    self.manager.close()
+    """Finishes pending saves (CheckpointSaveError if one failed) and releases the manager."""
+    try:
+      if self._failure is None:
+        self.wait()
+    finally:
+      try:
+        self.manager.close()
+      except checkpoint_errors.WRITE_ERRORS as e:
+        if self._failure is None or e is not self._orbax_error:
+          raise  # Orbax re-raises a failed save's error on every wait; it was reported
 
 
 def restore_params(
@@ -366,6 +454,12 @@ def restore_params(
       step = steps[-1]
     elif step not in steps:
       raise ValueError(f"checkpoint step {step} is not in {directory}; available: {steps}")
+    missing = [k for k in ("state", "meta") if not (directory / str(step) / k).is_dir()]
+    if missing:
+      raise CheckpointError(
+          f"checkpoint step {step} at {directory / str(step)} is damaged: missing "
+          f"{' and '.join(k + '/' for k in missing)}"
+      )
     item = {"params": abstract_params}
     restore_args = ocp.checkpoint_utils.construct_restore_args(item)
     restored = manager.restore(

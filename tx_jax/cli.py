@@ -11,11 +11,17 @@ The line is `error: <message>` on stderr, with no traceback; `--verbose` or
 `TX_JAX_DEBUG=1` prints the traceback as well. Library code keeps raising ordinary
 exceptions whose message names the field, the value and what is accepted; an exception
 may carry an `exit_code` attribute to choose its code explicitly.
+
+The library leaves the process alone; `run` is where the process-wide settings are made
+(PROCESS_SETTINGS, also shown by every entry point's --help).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pathlib
+import tempfile
 import re
 import sys
 import traceback
@@ -23,10 +29,22 @@ from typing import Callable
 
 from absl import app, flags
 
-from tx_jax import host_memory
+from tx_jax import host_memory, orbax_noise
 
 USAGE = 2
 FAILURE = 1
+
+PROCESS_SETTINGS = """\
+Process-wide settings this command makes (tx_jax.cli.run; the tx_jax library itself,
+e.g. train_and_evaluate called from Python, makes none of them):
+  - glibc malloc keeps freed blocks for reuse (mallopt) and XLA_FLAGS gains
+    --xla_multiheap_size_constraint_per_heap, on CPU-only hosts (tx_jax.host_memory;
+    TX_JAX_HOST_MALLOC=system turns it off);
+  - without --verbose, what Orbax's worker threads print when a checkpoint read or write
+    fails is held back (sys.unraisablehook, filters on the absl and asyncio loggers, a
+    warnings filter) and written to WORKDIR/orbax_errors.log (tx_jax.orbax_noise).
+"""
+HELD_LOG = "orbax_errors.log"
 
 _VERBOSE = flags.DEFINE_bool(
     "verbose", False, "On an error, print the traceback too (also: TX_JAX_DEBUG=1)."
@@ -110,13 +128,20 @@ def _is_ours(error: BaseException) -> bool:
   )
 
 
-def report(error: BaseException, argv: list[str] | None = None) -> int:
-  """Prints `error: ...` (and the traceback when debugging) to stderr; returns the exit code."""
+def report(
+    error: BaseException, argv: list[str] | None = None, held: pathlib.Path | None = None
+) -> int:
+  """Prints `error: ...` (and the traceback when debugging) to stderr; returns the exit code.
+
+  `held`: the file holding what Orbax's worker threads printed (named on the line).
+  """
   if _debug(argv):
     traceback.print_exception(error, file=sys.stderr)
   line = one_line(error)
   if not _is_ours(error) and not _debug(argv):  # an unexpected error: probably a bug
     line += " (unexpected; --verbose or TX_JAX_DEBUG=1 shows the traceback)"
+  if held is not None:
+    line += f" (Orbax's worker-thread tracebacks: {held})"
   print(f"error: {line}", file=sys.stderr, flush=True)
   return exit_code(error)
 
@@ -177,19 +202,48 @@ def define_compilation_cache_dir():
   )
 
 
+def _keep_held(held: orbax_noise.HeldBack | None) -> pathlib.Path | None:
+  """Writes what `held` holds to WORKDIR/orbax_errors.log (else the temp folder); its path."""
+  if held is None or not held.count:
+    return None
+  paths = []
+  if "workdir" in flags.FLAGS and flags.FLAGS["workdir"].value:
+    paths.append(pathlib.Path(flags.FLAGS["workdir"].value).absolute() / HELD_LOG)
+  paths.append(pathlib.Path(tempfile.gettempdir()) / f"tx_jax-{os.getpid()}-{HELD_LOG}")
+  for path in paths:
+    try:
+      held.write(path)
+      return path
+    except OSError:  # no workdir yet, or a full or read-only one: the next place
+      continue
+  return None
+
+
 def guarded(main: Callable[[list[str]], int | None]) -> Callable[[list[str]], int]:
-  """`main` with every exception turned into one `error:` line and an exit code."""
+  """`main` with every exception turned into one `error:` line and an exit code.
+
+  Without --verbose, Orbax's worker-thread noise is held back meanwhile (PROCESS_SETTINGS).
+  """
 
   def wrapped(argv: list[str]) -> int:
-    try:
-      return main(argv) or 0
-    except KeyboardInterrupt:
-      print("error: interrupted", file=sys.stderr)
-      return 130
-    except SystemExit:
-      raise
-    except BaseException as e:  # noqa: BLE001 -- the whole point: no traceback by default
-      return report(e, argv)
+    held = None if _debug(argv) else orbax_noise.HeldBack()
+    error = None
+    with held if held is not None else contextlib.nullcontext():
+      try:
+        code = main(argv) or 0
+      except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+      except SystemExit:
+        raise
+      except BaseException as e:  # noqa: BLE001 -- the whole point: no traceback by default
+        error = e
+    path = _keep_held(held)  # after the block: the late reports are in
+    if error is not None:
+      return report(error, argv, path)
+    if path is not None:
+      print(f"note: Orbax's worker threads reported errors, held back in {path}", file=sys.stderr)
+    return code
 
   return wrapped
 
@@ -197,8 +251,12 @@ def guarded(main: Callable[[list[str]], int | None]) -> Callable[[list[str]], in
 def run(main: Callable[[list[str]], int | None]) -> None:
   """`app.run(main)` for tx_jax entry points: one `error:` line, exit 2 (usage) or 1 (run time).
 
-  First, before anything can start JAX, freed host memory is kept for reuse
+  Makes the process-wide settings of PROCESS_SETTINGS, which the library leaves to entry
+  points: first, before anything can start JAX, freed host memory is kept for reuse
   (tx_jax.host_memory: XLA:CPU's per-step buffers otherwise cost a page fault per 4 KiB).
   """
   host_memory.reuse_freed_memory()
+  entry = sys.modules.get("__main__")
+  if entry is not None and PROCESS_SETTINGS not in (entry.__doc__ or ""):  # shown by --help
+    entry.__doc__ = f"{entry.__doc__ or ''}\n{PROCESS_SETTINGS}"
   app.run(guarded(main), flags_parser=_parse_flags)

@@ -24,8 +24,9 @@ answer: it serialised every malloc of XLA's threads on one lock, which cost the 
 step 20%, the tiny-shakespeare step 10% and every compile ~30% (docs/performance_xeon.md).
 
 It must run before JAX starts its CPU backend (the worker threads pick their arena on their
-first malloc, and XLA reads XLA_FLAGS once), so the trainer, every `experiments.*` command
-and the test suite call it first. It changes nothing when:
+first malloc, and XLA reads XLA_FLAGS once), so every `experiments.*` command (`cli.run`)
+and the test suite call it first. The library never does: `train_and_evaluate` called from
+Python leaves malloc and the environment as the caller set them. It changes nothing when:
 
 - the process does not use glibc (macOS, musl);
 - an accelerator plugin is installed or `jax_platforms` names a non-CPU platform first: the

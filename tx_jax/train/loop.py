@@ -18,8 +18,8 @@ from jax.experimental import multihost_utils
 import ml_collections
 import numpy as np
 
+from tx_jax import checkpoint as checkpoint_lib
 from tx_jax import evaluation
-from tx_jax import host_memory
 from tx_jax import models
 from tx_jax import sharding
 from tx_jax import validation
@@ -57,12 +57,13 @@ class _StopFlag:
     for s, handler in self._previous.items():
       signal.signal(s, handler)
 
-  def is_set(self) -> bool:
-    """Whether any process got a signal (all processes must save the same step)."""
-    local = self.signum is not None
-    if jax.process_count() == 1:
-      return local
-    return bool(np.any(multihost_utils.process_allgather(np.array(local))))
+
+def any_process(*local: bool) -> tuple[bool, ...]:
+  """Each flag, true when it is true on any process (all processes must stop at one step)."""
+  if jax.process_count() == 1:
+    return local
+  gathered = multihost_utils.process_allgather(np.array(local, bool))
+  return tuple(bool(b) for b in np.any(np.reshape(gathered, (-1, len(local))), axis=0))
 
 
 def dry_run_report(config: ml_collections.ConfigDict) -> str:
@@ -123,7 +124,7 @@ def save_trained_state(run: run_lib.TrainRun, step: int) -> None:
     run.save(step)
     run.ckpt.wait()
     print(f"saved the trained state at step {step} in {run.ckpt.directory}", flush=True)
-  except Exception as e:  # noqa: BLE001 -- e.g. a non-finite state, which is never saved
+  except checkpoint_lib.CheckpointError as e:  # a non-finite state (never saved), a failed write
     print(
         f"could not save step {step} ({e}); the last good checkpoint is step "
         f"{run.ckpt.latest_step()}",
@@ -142,6 +143,10 @@ def train_and_evaluate(
   Writes config.json, metrics.jsonl, TensorBoard events under tensorboard/, checkpoints/
   and curves.png. Stops early, after saving, on SIGTERM / SIGINT (summary["preempted"]).
 
+  Process-wide state is left as it was (no environment, malloc or hook changes; those are
+  the entry points', tx_jax.cli.PROCESS_SETTINGS), except that SIGTERM / SIGINT handlers
+  are installed while it trains and restored on return.
+
   `after_log(step)` runs after each training log line, once that step has finished and
   with the throughput clock paused: whatever it runs (the benchmark times other
   contestants there, round by round) neither shares the device with a training step nor
@@ -149,8 +154,7 @@ def train_and_evaluate(
   counted.
   """
   wall_start = time.time()
-  host_memory.reuse_freed_memory()  # before validation starts JAX (a no-op if it already has)
-  sharding.use_cpu_devices(config.mesh)  # likewise; an error if JAX runs with too few
+  sharding.use_cpu_devices(config.mesh)  # before validation starts JAX; an error if too few
   validate(config)  # the mesh too: validation.train_config ends with sharding.validate
   run = run_lib.setup(config, pathlib.Path(workdir))
   total, eval_every, save_every = config.train.steps, config.train.eval_every, config.checkpoint.every
@@ -173,7 +177,10 @@ def train_and_evaluate(
           window.flush()
           gc_heap.freeze()
           window.restart_clock()
-        preempted = stop.is_set()
+        # A failed save stops the run here: what it trains next could not be kept.
+        preempted, save_failed = any_process(stop.signum is not None, run.ckpt.save_failed())
+        if save_failed:
+          run.ckpt.raise_save_failure()
         evaluate = is_due(step, eval_every, total) and not preempted
         save = is_due(step, save_every, total) or preempted
         hook = after_log is not None and is_due(step, config.train.log_every, total)
@@ -189,6 +196,8 @@ def train_and_evaluate(
               eval_metrics = last_eval = run.evaluate(step)
           if save or (evaluate and config.checkpoint.best_metric):
             run.save(step, eval_metrics if config.checkpoint.best_metric else None)
+        except checkpoint_lib.CheckpointSaveError:
+          raise  # saving again would fail the same way
         except Exception:
           save_trained_state(run, step)
           raise
