@@ -18,6 +18,10 @@ _OUT = flags.DEFINE_string("out", "bench_out", "Directory for benchmark.json and
 _ONLY = flags.DEFINE_multi_string("only", [], "Section(s) to run (repeat or comma-separate).")
 _PRESET = flags.DEFINE_enum("preset", "cpu", ["cpu", "h200"], "cpu comparisons or h200 GPU.")
 _SMOKE = flags.DEFINE_bool("smoke", False, "Toy sizes: checks the code path in seconds.")
+_KERNELS = flags.DEFINE_list(
+    "kernels", ["plain"], "config.model.kernels to run tx_jax with, e.g. plain,cpu: each "
+    "section once per setting, keyed <section>.<kernels> beside the plain run."
+)
 _ROUNDS = flags.DEFINE_integer(
     "rounds", 5, "Interleaved timing rounds (medians reported).", lower_bound=1
 )
@@ -41,7 +45,12 @@ def main(argv) -> int:
       data_dir=os.path.abspath(_DATA_DIR.value),
       rounds=2 if _SMOKE.value else _ROUNDS.value,
   )
-  report = runner.run(_OUT.value, only, options)
+  from tx_jax.layers import ops  # pylint: disable=g-import-not-at-top
+
+  unknown = [k for k in _KERNELS.value if k not in ops.names()]
+  if unknown:
+    raise app.UsageError(f"--kernels={unknown}: accepted {list(ops.names())}")
+  report = runner.run(_OUT.value, only, options, _KERNELS.value)
   failed = [k for k, v in report.items() if isinstance(v, dict) and "error" in v]
   print(f"wrote {os.path.join(_OUT.value, 'benchmark.json')}" + (f"; failed: {failed}" if failed else ""))
   return 1 if failed else 0

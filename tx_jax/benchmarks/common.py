@@ -22,6 +22,7 @@ class Options:
   preset: str = "cpu"  # "cpu" (the CPU comparisons) or "h200" (bf16 GPU presets)
   data_dir: str = ""  # offline data folder holding tinyshakespeare/input.txt
   rounds: int = 5  # interleaved timing rounds (median reported)
+  kernels: str = "plain"  # config.model.kernels of tx_jax's contestants (layers/ops.py)
 
 
 @dataclasses.dataclass(frozen=True)

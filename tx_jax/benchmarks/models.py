@@ -11,7 +11,9 @@ import ml_collections
 from tx_jax.benchmarks.common import Shape
 
 
-def jax_config(shape: Shape, data_dir: str = "") -> ml_collections.ConfigDict:
+def jax_config(
+    shape: Shape, data_dir: str = "", kernels: str = "plain"
+) -> ml_collections.ConfigDict:
   """configs/gpt.py:tiny reshaped to `shape` (GPT-2 style, fp32, dropout 0, AdamW).
 
   It runs on shape.cpu_devices CPU devices (config.mesh.cpu_devices), the first of the
@@ -31,6 +33,7 @@ def jax_config(shape: Shape, data_dir: str = "") -> ml_collections.ConfigDict:
   m.num_kv_heads, m.head_dim, m.mlp_dim = shape.num_heads, shape.d_model // shape.num_heads, 4 * shape.d_model
   m.vocab_size, m.max_len = shape.vocab, shape.seq_len
   m.dropout_rate = m.attention_dropout_rate = 0.0
+  m.kernels = kernels
   config.data.seq_len, config.data.global_batch_size = shape.seq_len, shape.batch
   config.mesh.cpu_devices = shape.cpu_devices
   if shape.mesh_axis == "fsdp":  # the devices split params and optimizer state (ZeRO-3)

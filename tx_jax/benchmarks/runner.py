@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -55,8 +56,14 @@ def check_data(options: Options) -> None:
     raise sources.MissingDataError(f"--data_dir={options.data_dir}: {e}") from e
 
 
-def run(out_dir: str | pathlib.Path, only: list[str], options: Options) -> dict:
-  """Runs `only` (all of the preset's sections when empty); returns benchmark.json's content.
+def run(
+    out_dir: str | pathlib.Path, only: list[str], options: Options, kernels: list[str] = ("plain",)
+) -> dict:
+  """Runs `only` (all of the preset's sections when empty) once for each of `kernels`;
+  returns benchmark.json's content.
+
+  A section's key is its name for the "plain" kernels and `<name>.<kernels>` for another
+  set (`train.cpu`), so one run holds both settings side by side.
 
   An existing benchmark.json in out_dir is updated section by section (a rerun of one
   section keeps the others), and rewritten after each section, so a crash keeps the rest.
@@ -94,12 +101,14 @@ def run(out_dir: str | pathlib.Path, only: list[str], options: Options) -> dict:
   report = json.loads(path.read_text()) if path.exists() else {}
   report["machine"] = common.machine()
   report["options"] = dict(options.__dict__)
-  for name in only or list(sections):
-    run_fn, plot_fn = sections[name]
+  runs = [(name, kernel_set) for name in only or list(sections) for kernel_set in kernels]
+  for section, kernel_set in runs:
+    run_fn, plot_fn = sections[section]
+    name = section if kernel_set == "plain" else f"{section}.{kernel_set}"
     print(f"[benchmark] {name} ... (loadavg {os.getloadavg()[0]:.2f})", flush=True)
     start, load = time.perf_counter(), os.getloadavg()
     try:
-      result = run_fn(options)
+      result = run_fn(dataclasses.replace(options, kernels=kernel_set))
       plot_fn(result, out / f"{name}.png")
     except Exception as e:  # pylint: disable=broad-except  # report it, run the next section
       traceback.print_exc()

@@ -37,6 +37,7 @@ def shipped_config(options: Options):
 
   config = gpt.get_config("tiny-shakespeare")
   config.data.manual_dir = str(pathlib.Path(options.data_dir) / "tinyshakespeare")
+  config.model.kernels = options.kernels
   t = config.train
   t.eval_every = min(t.eval_every, max(1, t.steps // EVALS))
   t.plot, t.progress = False, "log"

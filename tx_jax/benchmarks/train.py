@@ -98,7 +98,7 @@ def compare(shape: Shape, options: Options, *, minimal_torch: bool, torch_compil
 
   threads = models.set_torch_threads()
   torch.manual_seed(0)
-  config = models.jax_config(shape, options.data_dir)
+  config = models.jax_config(shape, options.data_dir, options.kernels)
   # The bare step runs on a batch of the trainer's own pipeline: the same keys (segment
   # ids, positions) give the same computation, so the loop's cost is all that differs.
   batch = next(data.build_train_iterator(config))
@@ -164,7 +164,7 @@ def compare(shape: Shape, options: Options, *, minimal_torch: bool, torch_compil
   # The matmul peak of each framework is timed in every round too (MFU per round, below).
   # jax: the product tx_jax's models run (MKL's GEMM on CPU), which the MFU divides by;
   # xla: XLA's own dot, recorded beside it.
-  peaks = {fw: common.MatmulPeak(fw, PEAK_SIZE) for fw in ("jax", "xla", "torch")}
+  peaks = {fw: common.MatmulPeak(fw, PEAK_SIZE, options.kernels) for fw in ("jax", "xla", "torch")}
   timer = common.Rounds({**runners, **{f"{fw}_matmul_peak": peak for fw, peak in peaks.items()}})
   timer.warm()
   # The trainer's first windows grow the heap for its own executables (tx_jax.host_memory):
