@@ -12,7 +12,10 @@ config.data at a corpus (data.source="tfds" / "text_files") and a matching token
 
 import ml_collections
 
-from configs import common, train_defaults
+try:  # imported as tx_jax.configs (installed) or configs (a checkout)
+  from . import common, train_defaults
+except ImportError:  # loaded by path, as --config=configs/<file>.py:<preset> does
+  from configs import common, train_defaults
 
 CPU_DEVICES = 2  # the CPU presets' config.mesh.cpu_devices, measured on 2 cores
 

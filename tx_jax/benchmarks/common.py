@@ -8,6 +8,7 @@ and a slow minute should hit every contestant alike.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import statistics
 import time
@@ -56,6 +57,14 @@ BENCH = Shape(
 SMALL = Shape(num_layers=4, d_model=128, num_heads=4, seq_len=64, batch=12, vocab=360)
 # vocab 360: the byte tokenizer's ids fit.
 SMOKE = Shape(num_layers=2, d_model=32, num_heads=2, seq_len=16, batch=2, vocab=360)
+
+
+def preset_module(name: str):
+  """configs/<name>.py: tx_jax.configs.<name> when installed, configs.<name> in a bare checkout."""
+  try:
+    return importlib.import_module(f"tx_jax.configs.{name}")
+  except ModuleNotFoundError:
+    return importlib.import_module(f"configs.{name}")
 
 
 def machine() -> dict:

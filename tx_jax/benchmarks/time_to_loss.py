@@ -33,7 +33,7 @@ EVALS = 10  # evaluations per run at least (eval_every lowered to steps // EVALS
 
 def shipped_config(options: Options):
   """configs/gpt.py:tiny-shakespeare as shipped, data from options.data_dir."""
-  from configs import gpt  # pylint: disable=g-import-not-at-top
+  gpt = common.preset_module("gpt")
 
   config = gpt.get_config("tiny-shakespeare")
   config.data.manual_dir = str(pathlib.Path(options.data_dir) / "tinyshakespeare")
