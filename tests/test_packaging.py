@@ -16,9 +16,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def test_pyproject_lists_every_subpackage():
   setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-  on_disk = {
-      ".".join(init.parent.relative_to(ROOT).parts) for init in (ROOT / "tx_jax").rglob("__init__.py")
-  }
+  inits = (ROOT / "tx_jax").rglob("__init__.py")
+  on_disk = {".".join(init.parent.relative_to(ROOT).parts) for init in inits}
   listed = set(setuptools["packages"])
   assert on_disk - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
   assert setuptools["package-dir"] == {"tx_jax.configs": "configs"}
