@@ -9,7 +9,10 @@ the dry run counts the encoder + pooler, as HF's BertModel does.
 
 import ml_collections
 
-from configs import common, train_defaults
+try:  # imported as tx_jax.configs (installed) or configs (a checkout)
+  from . import common, train_defaults
+except ImportError:  # loaded by path, as --config=configs/<file>.py:<preset> does
+  from configs import common, train_defaults
 
 
 def _bert(d_model: int, num_layers: int, num_heads: int) -> ml_collections.ConfigDict:

@@ -4,7 +4,7 @@ checkpoint, mesh and sharding sections. Family files override values only.
 
 import ml_collections
 
-from configs import data_defaults, sharding_rules, train_defaults
+from . import data_defaults, sharding_rules, train_defaults
 
 
 def model_config() -> ml_collections.ConfigDict:

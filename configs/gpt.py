@@ -12,7 +12,10 @@ config.data at a corpus (data.source="tfds" / "text_files") and a matching token
 
 import ml_collections
 
-from configs import common, train_defaults
+try:  # imported as tx_jax.configs (installed) or configs (a checkout)
+  from . import common, train_defaults
+except ImportError:  # loaded by path, as --config=configs/<file>.py:<preset> does
+  from configs import common, train_defaults
 
 CPU_DEVICES = 2  # the CPU presets' config.mesh.cpu_devices, measured on 2 cores
 
@@ -29,7 +32,7 @@ def _gpt2(d_model: int, num_layers: int, num_heads: int) -> ml_collections.Confi
   m.positions, m.max_len = "learned", 1024
   m.tie_embeddings = True
   m.attention_bias = m.mlp_bias = True
-  m.fused_qkv = True  # as GPT-2's c_attn; the train step 2-5% faster on CPU (docs/performance.md)
+  m.fused_qkv = True  # as GPT-2's c_attn: one projection instead of three
   m.dropout_rate = m.attention_dropout_rate = 0.1
   m.init_std = 0.02
   _decoder_training(config)
@@ -63,7 +66,7 @@ def _llama(
   m.positions, m.rope_theta, m.max_len = "rope", 10000.0, max_len
   m.tie_embeddings = tie
   m.attention_bias = m.mlp_bias = False
-  m.fused_qkv = True  # q alone, k and v from one [D, 2, K, H] kernel (docs/performance.md)
+  m.fused_qkv = True  # q alone, k and v from one [D, 2, K, H] kernel: one projection fewer
   m.dropout_rate = m.attention_dropout_rate = 0.0
   _decoder_training(config)
   _lm_data(config)
@@ -98,22 +101,18 @@ def tiny_shakespeare() -> ml_collections.ConfigDict:
   config = tiny()
   train_defaults.tiny_shakespeare(config, task="lm")
   _cpu_lm_training(config)
-  # Tuned to reach <= 1.80 nats/byte within 3 minutes on 2 CPU cores (the README's target),
-  # also on a VM whose matmul peak is 70 GFLOP/s. Rows of 64 bytes in batches of 32 beat
-  # 128 x 16, 64 x 16 and 64 x 64 (bytes x rows) at the same bytes. Two layers beat tiny's
-  # four: a step costs about half, and 1000 steps read 1.690 in 153 s there against four
-  # layers' 1.743 in 252 s (at 3e-3; 6e-3 read 1.826 after 700). 1e-2 stalled four layers
-  # early (docs/performance.md, fourteenth part).
+  # Tuned to reach <= 1.80 nats/byte within 3 minutes on a slow 2-core VM: rows of 64 bytes
+  # in batches of 32, and two layers instead of tiny's four, which learn as much per step at
+  # half the cost (the search is in docs/performance.md, "What was tried").
   config.model.num_layers = 2
   config.optimizer.learning_rate = 6e-3
   config.data.seq_len, config.data.global_batch_size = 64, 32
   config.train.steps, config.train.eval_every = 1000, 250
-  # Rows shuffled over the whole corpus (~16k rows of 64 bytes) instead of windows of
-  # 1024 (64 KB of one play): the validation loss no longer rises and falls with the play
-  # being read (1.931 at step 500, 2.03 at 700) and ends at 1.743 instead of 1.767
-  # (four layers; docs/performance.md, thirteenth part).
+  # Rows shuffled over the whole corpus (~16k rows of 64 bytes) instead of windows of one
+  # play, so the validation loss no longer rises and falls with the play being read.
   config.data.lm_shuffle_window = 16384
-  # Two CPU devices, data parallel: 21k -> 27k tokens/s on 2 cores (sharding.use_cpu_devices).
+  # Two CPU devices, data parallel: one device's op fills the core the other leaves idle
+  # (sharding.use_cpu_devices).
   config.mesh.cpu_devices = CPU_DEVICES
   return config
 

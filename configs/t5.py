@@ -9,7 +9,10 @@ fine-tune on pairs sets data.task="seq2seq" and a source with columns.
 
 import ml_collections
 
-from configs import common, train_defaults
+try:  # imported as tx_jax.configs (installed) or configs (a checkout)
+  from . import common, train_defaults
+except ImportError:  # loaded by path, as --config=configs/<file>.py:<preset> does
+  from configs import common, train_defaults
 
 
 def _t5(

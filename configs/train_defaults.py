@@ -5,6 +5,8 @@ fields their paper sets. Every field has a value and a one-line comment: library
 reads `config.x` and never falls back to a default of its own.
 """
 
+import os
+
 import ml_collections
 
 
@@ -84,17 +86,23 @@ def checkpoint_config() -> ml_collections.ConfigDict:
   return c
 
 
+def data_dir() -> str:
+  """The offline data sets' folder: $TX_JAX_DATA_DIR, else ./data where the command runs.
+
+  Never a folder outside the checkout: when the data is not there, the run stops with one
+  line naming the missing folder and $TX_JAX_DATA_DIR (tx_jax.data.sources.check_manual_dir).
+  """
+  return os.path.abspath(os.environ.get("TX_JAX_DATA_DIR") or "data")
+
+
 def tiny_shakespeare(config: ml_collections.ConfigDict, task: str) -> None:
   """Points `config.data` at Tiny Shakespeare through TFDS's own builder, offline.
 
-  The raw file comes from $TX_JAX_DATA_DIR/tinyshakespeare (default ../shared/data), the
-  very file TFDS downloads; override --config.data.manual_dir on another machine.
+  The raw file comes from data_dir()/tinyshakespeare, the very file TFDS downloads.
   Get it: curl -o $TX_JAX_DATA_DIR/tinyshakespeare/input.txt --create-dirs
   https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt
   """
-  import os  # pylint: disable=g-import-not-at-top
-
-  root = os.environ.get("TX_JAX_DATA_DIR", "../shared/data")
+  root = data_dir()
   d = config.data
   d.source, d.task, d.tfds_name, d.text_key = "tfds", task, "tiny_shakespeare", "text"
   d.manual_dir = os.path.join(root, "tinyshakespeare")

@@ -9,7 +9,10 @@ import os
 
 import ml_collections
 
-from configs import common
+try:  # imported as tx_jax.configs (installed) or configs (a checkout)
+  from . import common, train_defaults
+except ImportError:  # loaded by path, as --config=configs/<file>.py:<preset> does
+  from configs import common, train_defaults
 
 
 def _transformer(
@@ -82,8 +85,7 @@ def multi30k() -> ml_collections.ConfigDict:
   """
   config = tiny()
   d, m = config.data, config.model
-  root = os.environ.get("TX_JAX_DATA_DIR", "../shared/data")
-  d.source, d.manual_dir = "multi30k", os.path.join(root, "multi30k")
+  d.source, d.manual_dir = "multi30k", os.path.join(train_defaults.data_dir(), "multi30k")
   d.source_key, d.target_key = "de", "en"
   d.tokenizer, d.spm_model_path, d.vocab_size = "sentencepiece", "runs/multi30k_spm8k.model", 8000
   d.num_sentinels = 0

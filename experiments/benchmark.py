@@ -27,8 +27,8 @@ _ROUNDS = flags.DEFINE_integer(
 )
 _DATA_DIR = flags.DEFINE_string(
     "data_dir",
-    os.environ.get("TX_JAX_DATA_DIR", "../shared/data"),
-    "Offline data folder holding tinyshakespeare/input.txt.",
+    os.environ.get("TX_JAX_DATA_DIR") or "data",
+    "Offline data folder holding tinyshakespeare/input.txt ($TX_JAX_DATA_DIR, else ./data).",
 )
 
 

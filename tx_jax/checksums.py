@@ -12,9 +12,9 @@ import numpy as np
 
 from tx_jax import sharding
 
-# Leaves up to this many elements are checksummed by numpy from the host's shards; larger
-# ones by one small XLA program per shape. Each program costs ~0.1 s to compile: 1.35 s at
-# tiny-shakespeare's first save (14 shapes), where numpy takes ~0.1 ms per leaf.
+# Leaves up to this many elements are checksummed by numpy from the host's shards, because
+# compiling one small XLA program per shape costs more than numpy's pass over a small leaf;
+# larger ones keep the program (tuned on tiny-shakespeare's first save, docs/performance.md).
 HOST_FINGERPRINT_MAX_ELEMENTS = 1 << 16
 
 
@@ -97,8 +97,8 @@ def fingerprint(tree: Any) -> tuple[np.ndarray, bool]:
   same under any sharding or reduction order, and it notices changed or moved elements.
   Small leaves (HOST_FINGERPRINT_MAX_ELEMENTS) whose blocks are all on this host are
   summed by numpy; the rest by one small program per distinct leaf shape, dtype and
-  sharding: a single program over the whole tree took 6.8 s to compile for gpt2-small's
-  589 leaves (10 distinct shapes), at the first save and again at every restore.
+  sharding, because a single program over the whole tree (gpt2-small: 589 leaves, 10
+  distinct shapes) compiled far longer, at the first save and again at every restore.
   """
   leaves = jax.tree_util.tree_leaves(tree)
   results: list[Any] = [None] * len(leaves)

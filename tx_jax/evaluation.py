@@ -199,10 +199,9 @@ class Evaluator:
     """eval_loss (plain NLL), eval_accuracy and, when configured, the decode metrics."""
     totals = {}
     batches = self._eval_batches()
-    # Dispatch a group of batches, then pull their sums: the host prepares batch i+1 while
-    # the device runs batch i (pulling after every batch cost ~4% of the Tiny Shakespeare
-    # eval, docs/performance.md). A group stays within XLA:CPU's limit on programs with
-    # collectives in flight; the host adds the sums in batch order, as before.
+    # Dispatch a group of batches, then pull their sums, so the host prepares batch i+1 while
+    # the device runs batch i. A group stays within XLA:CPU's limit on programs with
+    # collectives in flight; the host adds the sums in batch order.
     group = sharding.MAX_COLLECTIVE_PROGRAMS_IN_FLIGHT
     for start in range(0, len(batches), group):
       pending = [self.eval_step(params, self.to_global(b)) for b in batches[start : start + group]]

@@ -86,7 +86,10 @@ def model_fields(
 
 def _base_config() -> ml_collections.ConfigDict:
   """configs.common.base_config(): the typed schema every config fills."""
-  from configs import common  # pylint: disable=import-outside-toplevel
+  try:  # pylint: disable=import-outside-toplevel
+    from tx_jax.configs import common  # installed: configs/ ships as tx_jax.configs
+  except ModuleNotFoundError:  # a checkout run without installing it
+    from configs import common
 
   return common.base_config()
 

@@ -56,8 +56,8 @@ _SEQ2SEQ_TASKS = ("seq2seq", "span_corruption")  # config.data.task values with 
 
 
 # XLA:CPU (jax 0.10) with several devices hangs once more than ~33 programs with
-# collectives are in flight, until a 40 s rendezvous timeout aborts the process
-# (docs/performance.md). Code that dispatches many such programs waits after this many.
+# collectives are in flight, until its rendezvous timeout aborts the process. Code that
+# dispatches many such programs waits after this many.
 MAX_COLLECTIVE_PROGRAMS_IN_FLIGHT = 16
 
 def mesh_shape(mesh_cfg: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
@@ -106,9 +106,9 @@ def use_cpu_devices(mesh_cfg: ml_collections.ConfigDict) -> None:
   Why: one XLA:CPU device runs one op at a time over every core, and most of a small
   model's ~1,000 ops per step are too small to split well. With 2 devices on 2 cores and
   the batch split over them (config.mesh.data=-1 fills them), one device's op runs while
-  the other's leaves a core idle: the configs/gpt.py:tiny-shakespeare trainer went from 21k
-  to 27k tokens/s. Below ~2k tokens per step the collectives cost more than that gains
-  (docs/performance.md). Before JAX starts its backend this splits the process into that
+  the other's leaves a core idle. Below ~2k tokens per step the collectives cost more than
+  that gains (measured on 2-core VMs, docs/performance.md). Before JAX starts its backend
+  this splits the process into that
   many devices; a single process that already has more uses the first `cpu_devices`
   (`run_devices`), fewer is an error. Accelerator runs are unaffected.
 

@@ -78,7 +78,10 @@ def _fill(schema: ml_collections.ConfigDict, values: Mapping[str, Any], where: s
 
 
 def _base_config() -> ml_collections.ConfigDict:
-  from configs import common  # pylint: disable=import-outside-toplevel
+  try:  # pylint: disable=import-outside-toplevel
+    from tx_jax.configs import common  # installed: configs/ ships as tx_jax.configs
+  except ModuleNotFoundError:  # a checkout run without installing it
+    from configs import common
 
   return common.base_config()
 

@@ -8,6 +8,7 @@ and a slow minute should hit every contestant alike.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import statistics
 import time
@@ -35,14 +36,12 @@ class Shape:
   seq_len: int
   batch: int
   vocab: int
-  # tx_jax's config.mesh.cpu_devices for this shape: 2 data-parallel devices pay from ~2k
-  # tokens per step (tiny-shakespeare, the bench config); below, their collectives cost
-  # more than they save (docs/performance.md, "Two CPU devices").
+  # tx_jax's config.mesh.cpu_devices for this shape: below ~2k tokens per step the
+  # collectives of 2 devices cost more than they save (2-core VMs, docs/performance.md).
   cpu_devices: int = 1
   # The mesh axis those devices form: "data" (params replicated) or "fsdp" (params and
-  # optimizer state split, ZeRO-3). fsdp halves each device's AdamW work and pays per-layer
-  # all-gathers: bench step 1.046x over data, tiny-shakespeare 0.915x
-  # (docs/performance_cpu_changes.md).
+  # optimizer state split, ZeRO-3), which halves each device's AdamW work for per-layer
+  # all-gathers and so pays only on the larger shapes.
   mesh_axis: str = "data"
 
   @property
@@ -57,6 +56,14 @@ BENCH = Shape(
 SMALL = Shape(num_layers=4, d_model=128, num_heads=4, seq_len=64, batch=12, vocab=360)
 # vocab 360: the byte tokenizer's ids fit.
 SMOKE = Shape(num_layers=2, d_model=32, num_heads=2, seq_len=16, batch=2, vocab=360)
+
+
+def preset_module(name: str):
+  """configs/<name>.py: tx_jax.configs.<name> when installed, configs.<name> in a bare checkout."""
+  try:
+    return importlib.import_module(f"tx_jax.configs.{name}")
+  except ModuleNotFoundError:
+    return importlib.import_module(f"configs.{name}")
 
 
 def machine() -> dict:
@@ -87,10 +94,9 @@ def machine() -> dict:
 
 
 WARMUP_ROUNDS = 3
-# Untimed pause before each timed call. torch's OpenMP workers spin for a few ms after each
-# of its calls; on 2 cores they took one from whatever ran next: a 2048 x 512 x 2048 GEMM
-# through tx_jax right after torch's read 243-254 GFLOP/s, and 312-314 after a 20 ms pause
-# (torch's own 310-324), docs/performance_in_place.md.
+# Untimed pause before each timed call: torch's OpenMP workers keep spinning briefly after
+# each call, on the cores the next contestant is timed on (tuned on 2-core VMs,
+# docs/performance.md).
 SETTLE_SECONDS = 0.02
 
 
@@ -161,8 +167,8 @@ class MatmulPeak:
   one framework and appends the best FLOP/s to `flops`.
 
   Timed in every round beside the contestants, so each round's MFU divides by the peak of
-  the same minute of this shared machine: measured once per run, the peak read 340 and
-  421 GFLOP/s on two runs of the same code, and once below a GEMM of the step itself.
+  the same minute of this shared machine; a peak measured once per run moved with the
+  machine's load from one run to the next.
   """
 
   REPEATS = 10

@@ -61,7 +61,7 @@ def first_step(config, batch: dict) -> dict:
 
 def run(options: Options) -> dict:
   """The `compile` section's JSON: one row per (model, scan_layers)."""
-  from configs import gpt  # pylint: disable=g-import-not-at-top
+  gpt = common.preset_module("gpt")
 
   if options.smoke:
     targets = [("smoke", models.jax_config(common.SMOKE), common.SMOKE.batch, common.SMOKE.seq_len)]

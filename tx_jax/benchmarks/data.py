@@ -29,7 +29,7 @@ def pipeline_rate(config, batches: int) -> tuple[float, dict]:
 
 def run(options: Options) -> dict:
   """The `data` section's JSON."""
-  from configs import gpt  # pylint: disable=g-import-not-at-top
+  gpt = common.preset_module("gpt")
   from tx_jax.benchmarks import models
 
   config = gpt.get_config("tiny")

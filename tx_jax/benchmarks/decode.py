@@ -48,7 +48,7 @@ def run(options: Options) -> dict:
   import torch
   import transformers
 
-  from configs import gpt  # pylint: disable=g-import-not-at-top
+  gpt = common.preset_module("gpt")
   from tx_jax import decode, hf, models
   from tx_jax.decode import chunked_cache
 

@@ -1,8 +1,7 @@
 """A GEMM alone on one core, XLA vs torch, in a child process pinned to one CPU.
 
-On the 2-core Intel VM XLA's fp32 GEMM trails MKL's by 0.52x at `small`'s [768, 128] x
-[128, 512] with both cores, but only by ~0.95x on one core (docs/performance.md). So the
-gap is how XLA:CPU splits a small GEMM over threads, not its kernel. XLA sizes its thread
+When XLA's GEMM trails torch's on all cores but not on one, the gap is in how XLA:CPU
+splits a small GEMM over threads, not in its kernel. XLA sizes its thread
 pool when the backend starts, and no flag changes it, so the one-core number needs a
 process whose CPU affinity is one core before JAX starts: this module run as a script.
 

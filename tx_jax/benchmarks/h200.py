@@ -25,7 +25,7 @@ TIMED_STEPS = 5
 
 
 def _config(preset: str, batch: int, seq_len: int, backend: str):
-  from configs import gpt  # pylint: disable=g-import-not-at-top
+  gpt = common.preset_module("gpt")
 
   config = gpt.get_config(preset)
   m = config.model

@@ -8,6 +8,7 @@ from typing import Callable
 
 import ml_collections
 
+from tx_jax.benchmarks import common
 from tx_jax.benchmarks.common import Shape
 
 
@@ -25,7 +26,8 @@ def jax_config(
   cost host time); token ids then stay below 360 whatever the vocabulary, which costs the
   same.
   """
-  from configs import gpt, train_defaults  # pylint: disable=g-import-not-at-top
+  gpt = common.preset_module("gpt")
+  train_defaults = common.preset_module("train_defaults")
 
   config = gpt.get_config("tiny")
   m = config.model

@@ -82,7 +82,7 @@ def run(
     # and the bare step run as configs/gpt.py:tiny-shakespeare ships (sharding.use_cpu_devices).
     import ml_collections  # pylint: disable=g-import-not-at-top
 
-    from configs import gpt  # pylint: disable=g-import-not-at-top
+    gpt = common.preset_module("gpt")
     from tx_jax import sharding  # pylint: disable=g-import-not-at-top
 
     sharding.use_cpu_devices(ml_collections.ConfigDict({"cpu_devices": gpt.CPU_DEVICES}))

@@ -8,9 +8,8 @@ same steps. Wall time runs from the start of each run (tx_jax's includes compila
 its checkpoints, as a user sees them). The figure of merit is the wall time at which the
 validation loss reaches THRESHOLD nats/byte, interpolated linearly between the evaluation
 before and the first one at or below it. Evaluations come every 100 steps, so the first
-one at or below alone can move the ratio by 100 steps' time: one run crossing just after
-an evaluation and the other just before read 0.963 at the evaluations and ~1.05 between
-them (docs/performance.md, fifteenth part). Both are reported. The PyTorch GPT attends
+one at or below alone can move the ratio by 100 steps' time when one run crosses just
+after an evaluation and the other just before. Both are reported. The PyTorch GPT attends
 across packed document boundaries (no segment mask; Tiny Shakespeare is one document per
 split).
 """
@@ -33,7 +32,7 @@ EVALS = 10  # evaluations per run at least (eval_every lowered to steps // EVALS
 
 def shipped_config(options: Options):
   """configs/gpt.py:tiny-shakespeare as shipped, data from options.data_dir."""
-  from configs import gpt  # pylint: disable=g-import-not-at-top
+  gpt = common.preset_module("gpt")
 
   config = gpt.get_config("tiny-shakespeare")
   config.data.manual_dir = str(pathlib.Path(options.data_dir) / "tinyshakespeare")
@@ -150,8 +149,8 @@ def run(options: Options) -> dict:
   """The `time_to_loss` section's JSON."""
   config = shipped_config(options)
   # The data pipeline both runs share imports TFDS and registers its builder on first use
-  # (~0.8 s, 0.02 s after): here, before either clock starts, so that the run going first
-  # does not pay it for both.
+  # only: here, before either clock starts, so that the run going first does not pay it
+  # for both.
   from tx_jax import data  # pylint: disable=g-import-not-at-top
 
   data.build_train_iterator(config)

@@ -102,9 +102,8 @@ def compare(shape: Shape, options: Options, *, minimal_torch: bool, torch_compil
   # The bare step runs on a batch of the trainer's own pipeline: the same keys (segment
   # ids, positions) give the same computation, so the loop's cost is all that differs.
   batch = next(data.build_train_iterator(config))
-  # config.mesh.cpu_devices is a per-machine choice: for the bench step 2 devices were 5%
-  # faster on a 2-core AMD EPYC and 1 device 4-5% faster on 2-core Intel Xeons
-  # (docs/performance.md). Both counts are built and probed; the faster runs the step and
+  # config.mesh.cpu_devices is a per-machine choice (2 devices won the bench step on one
+  # 2-core VM, 1 on another). Both counts are built and probed; the faster runs the step and
   # the trainer (what a user tuning the config would ship), the other is timed beside them.
   other = 1 if shape.cpu_devices > 1 else 2
   configs = {shape.cpu_devices: config}
@@ -126,11 +125,10 @@ def compare(shape: Shape, options: Options, *, minimal_torch: bool, torch_compil
   # The probe picks the device count and sizes the calls: one call of each runner should
   # last ~CALL_SECONDS so timer noise and one-off stalls stay small against it. Steps run
   # back to back (a lone step waits for its own dispatch), after a first run of 4 that also
-  # grows the heap (tx_jax.host_memory; one such step once read as 5 steps per call instead
-  # of 30), then runs of >= 2 s that alternate between the counts, PROBE_ROUNDS each, and
+  # grows the heap (tx_jax.host_memory; an estimate from a cold step sized the calls far too
+  # short), then runs of >= 2 s that alternate between the counts, PROBE_ROUNDS each, and
   # the median per count. Probing one count after the other let the machine's drift
-  # between them decide: the bench shape's probe once chose 1 device by 0.7%, and in every
-  # round after it 2 devices were 2-4% faster (docs/performance_avx2.md, nineteenth part).
+  # between them decide, and once chose the count every later round found slower.
   estimate = {n: common.seconds(back_to_back(s, 4)) / 4 for n, s in jax_steps.items()}
   probe_steps = max(2, round((0.05 if options.smoke else 2.0) / min(estimate.values())))
   probe_timer = common.Rounds({n: back_to_back(s, probe_steps) for n, s in jax_steps.items()})
@@ -217,9 +215,8 @@ def compare(shape: Shape, options: Options, *, minimal_torch: bool, torch_compil
     return [1.0 - w["tokens_per_sec"] * s / tokens for w, s in zip(trainer, step_wall)]
 
   # Window i with the bare step's call right after it. In the rounds a window starts right
-  # after torch's contestants, and such windows ran up to 6 points slower than windows after
-  # the bare step alone (docs/performance_xeon.md, twenty-fourth part): a cost of sharing the
-  # process with torch, not of the loop. The loop phase, where the two alternate with
+  # after torch's contestants, and such windows ran slower than windows after the bare step
+  # alone: a cost of sharing the process with torch, not of the loop. The loop phase, where the two alternate with
   # nothing between them, gives loop_overhead_paired; the rounds' pairs are kept beside it.
   result["loop_overhead_round_paired_all"] = paired(windows, wall["step"])
   result["loop_overhead_round_paired"] = common.median(result["loop_overhead_round_paired_all"])

@@ -2,7 +2,7 @@
 
 Online it downloads the raw files from the multi30k/dataset GitHub repository;
 offline, `download_config.manual_dir` (config `data.manual_dir`) holds the same
-six .gz files, e.g. `../shared/data/multi30k`.
+six .gz files, e.g. `$TX_JAX_DATA_DIR/multi30k` (see data/README.md).
 """
 
 from __future__ import annotations

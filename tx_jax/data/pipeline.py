@@ -206,9 +206,9 @@ def pad_batch(examples: Sequence[dict], row_lengths: dict[str, int]) -> dict[str
   """Unpacked examples -> one batch: rows padded to length, segment id 1 and positions on
   real tokens, per-row scalars (labels, classification weights) stacked.
 
-  The training pipeline pads here, once per batch, rather than per example: each map
-  stage costs grain ~20 us per element, and on 2 cores the loop's host time is taken from
-  XLA's threads (docs/performance.md).
+  The training pipeline pads here, once per batch, rather than per example: each grain map
+  stage costs per element, and on a small CPU the loop's host time is taken from XLA's
+  threads.
   """
   out = {}
   for key, first in examples[0].items():
@@ -414,7 +414,7 @@ def check_global_rows(
   return _rows_sharding(global_rows, mesh, axes)
 
 
-@functools.lru_cache(maxsize=64)  # the loop checks every batch: ~0.05 ms each uncached
+@functools.lru_cache(maxsize=64)  # the loop asks for every batch; the answer never changes
 def _rows_sharding(
     global_rows: int, mesh: jax.sharding.Mesh, axes: tuple[str, ...]
 ) -> jax.sharding.NamedSharding:

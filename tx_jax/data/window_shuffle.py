@@ -3,11 +3,10 @@
 It stands where grain's FlatMapIterDataset + WindowShuffleIterDataset stood, for the same
 reason (a document's chunks would otherwise arrive in text order) and with the same kind
 of state (where the window started, which window, how far into it). It exists because
-grain 0.2's window shuffle computes each element's position with its own 4-round
-`index_shuffle` call, ~25 us per row, plus ~10 us of per-element stage wrappers for the
-flat map: about 0.5 ms of the loop's host time per 12-row batch, which on 2 cores is
-taken from XLA's threads (docs/performance.md, "The loop's own cost"). Here a window
-is permuted by one numpy call and a row costs a list pop.
+grain 0.2's window shuffle computes each element's position with its own `index_shuffle`
+call and wraps every element of the flat map, and on a small CPU the loop's host time is
+taken from XLA's threads. Here a window is permuted by one numpy call and a row costs a
+list pop.
 
 The order is a pure function of the seed: window w of the stream is permuted by
 numpy.random.default_rng([seed, w]). Windows span record and epoch boundaries.

@@ -47,9 +47,9 @@ def loss_sums(
     )
   loss, nll = cross_entropy(logits, targets, label_smoothing, z_loss)
   # Top-1 accuracy as "the target's logit is the largest": a max-reduce, which XLA shares
-  # with logsumexp's. argmax's (value, index) reduce over [tokens, vocab] cost 6% of the
-  # GPT-2-style bench step on CPU (docs/performance.md). On an exact tie for the largest
-  # logit this counts the target as correct where argmax picks the lowest index.
+  # with logsumexp's, where argmax would add a second (value, index) pass over [tokens,
+  # vocab]. On an exact tie for the largest logit this counts the target as correct where
+  # argmax picks the lowest index.
   target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
   correct = (target_logit >= jnp.max(logits, axis=-1)).astype(jnp.float32)
   return {

@@ -51,8 +51,8 @@ def import_tensorboardx() -> Any:
   """The tensorboardX module, imported without importing torch.
 
   tensorboardX's writer imports torch whenever it is installed (it is, with the `test`
-  extra), only to accept torch tensors as values; that import cost every run 0.9-1.6 s of
-  start-up on 2 CPU cores. The writer logs Python floats, so torch is hidden while
+  extra), only to accept torch tensors as values, and that import would be a large part of
+  every run's start-up. The writer logs Python floats, so torch is hidden while
   tensorboardX loads (an import of a None entry in sys.modules raises ImportError, which
   tensorboardX catches). A process that already imported torch keeps it as it is.
   """
@@ -146,17 +146,16 @@ class MetricsWindow:
 
   `push` hands over the step just dispatched (its metrics packed by steps.pack_metrics).
   Pulls wait only for the step before the newest, so the device always has a step queued,
-  and they come at most every PULL_SECONDS: with ~30 ms steps the loop's thread then
-  sleeps and wakes once per few steps, not every step, and on 2 cores each wake-up costs
-  XLA's threads ~0.7 ms of CPU (docs/performance.md). With steps longer than that every
-  step is pulled, one step late. `flush` pulls everything (before an eval or a save).
+  and they come at most every PULL_SECONDS: with short steps the loop's thread then sleeps
+  and wakes once per few steps, not every step, because on a small CPU each wake-up takes
+  time from XLA's threads. With steps longer than that every step is pulled, one step late. `flush` pulls everything (before an eval or a save).
   """
 
   SUMMED = ("loss_sum", "correct_sum", "weight_sum")
   PULL_SECONDS = 0.1
   # The most steps the host dispatches ahead of what it has pulled. Also a safety bound:
   # XLA:CPU with several devices (config.mesh.cpu_devices) hangs once more than ~33
-  # programs with collectives are in flight (jax 0.10; docs/performance.md).
+  # programs with collectives are in flight (jax 0.10).
   MAX_PENDING = sharding.MAX_COLLECTIVE_PROGRAMS_IN_FLIGHT
 
   def __init__(
@@ -215,8 +214,8 @@ class MetricsWindow:
     if not pulled:
       return
     # Wait for the newest (the steps before it are done by then), then read each as numpy.
-    # jax.device_get would first start an async host copy per array: on XLA:CPU that cost
-    # this thread ~0.1 ms of CPU per array, 5x the plain reads (docs/performance.md).
+    # jax.device_get would first start an async host copy per array, which on XLA:CPU costs
+    # this thread several times the plain reads.
     jax.block_until_ready(pulled[-1][1])
     values = np.stack([np.asarray(m) for _, m, _ in pulled])
     self._last_pull = time.time()

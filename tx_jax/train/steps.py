@@ -25,8 +25,8 @@ METRIC_NAMES = (
 def pack_metrics(metrics: dict) -> jax.Array:
   """train_step's scalar metrics as one float32 vector, in METRIC_NAMES order.
 
-  The loop then copies one buffer to the host per step instead of seven: on 2 CPU cores
-  each pull costs the loop's thread ~0.1 ms next to a ~30 ms step (docs/performance.md).
+  The loop then copies one buffer to the host per step instead of seven, since on a small
+  CPU every pull takes host time from the step.
   Float32 holds every value exactly: the sums are float32 already, nonfinite is 0 or 1.
   """
   if set(metrics) != set(METRIC_NAMES):
