@@ -32,10 +32,6 @@ CHECKS = {"def sweep(add):": _check_sweep}
 
 # What a snippet raises while a feature it shows is still on its way (the plain-JAX models:
 # no custom VJPs, AttentionSpec.explicit_mask). Delete an entry once that work has landed.
-PENDING = {
-    "can't apply forward-mode autodiff": "jax.jvp needs the models without custom VJPs",
-    "explicit_mask": "AttentionSpec.explicit_mask has not landed yet",
-}
 
 
 def _chain(index: int) -> list[int]:
@@ -80,13 +76,7 @@ def test_readme_snippet_runs(index, tmp_path):
       code = code.replace("path/to/hf_dir", str(hf_dir))
       code = code.replace('"out_dir"', repr(str(tmp_path / "out")))
       namespace["ids_BT"] = np.ones((2, 8), np.int32)
-    try:
-      exec(compile(code, f"README.md snippet {i}", "exec"), namespace)  # noqa: S102
-    except (TypeError, ValueError) as e:
-      reasons = [why for text, why in PENDING.items() if text in str(e)]
-      if reasons:
-        pytest.xfail(reasons[0])
-      raise
+    exec(compile(code, f"README.md snippet {i}", "exec"), namespace)  # noqa: S102
   for key, check in CHECKS.items():
     if key in SNIPPETS[index]:
       check(namespace)
