@@ -1,10 +1,8 @@
 """JAX's persistent compilation cache for `experiments.train` and `experiments.decode`.
 
-Why: on 2 CPU cores, `configs/gpt.py:tiny-shakespeare` spends ~6 s of its start-up
-compiling `init`, the train step and the eval step. Researchers re-run the same command
-constantly (resume after a crash, a changed eval, a second seed); with the cache warm, a
-100-step run of it takes 14.5 s instead of 21.6 (docs/performance.md, ninth part). A
-decode of the trained model takes 2.9 s instead of 5.1 once its programs are cached.
+Why: compiling `init`, the train step and the eval step is a large part of a short run's
+start-up, and researchers re-run the same command constantly (resume after a crash, a
+changed eval, a second seed); with the cache warm, those compiles are read back instead.
 
 Which directory, in this order:
 - `--compilation_cache_dir=DIR` on the command line; `--compilation_cache_dir=` turns it off;

@@ -1,11 +1,9 @@
 """Keep freed host memory for reuse, so XLA:CPU's per-step buffers stop costing page faults.
 
 Why this exists: every execution of a compiled XLA:CPU program mallocs the block for its
-temporaries (2 x 32 MiB for the `configs/gpt.py:tiny-shakespeare` train step on its two
-devices, 1.1 GiB for the benchmark's GPT) from a runtime worker thread, and frees it when
-the step ends. glibc serves a block that large with a fresh `mmap`, so the kernel zero-fills
-every page again on every step: 35,600 page faults and 0.65 of 2 cores spent in the kernel
-per 130 ms step (docs/performance.md).
+temporaries from a runtime worker thread, and frees it when the step ends. glibc serves a
+block that large with a fresh `mmap`, so the kernel zero-fills every page again on every
+step, a large share of a small step's time on few cores (measured in docs/performance.md).
 
 `reuse_freed_memory()` makes glibc keep those blocks, and keeps each thread's own arena:
 
@@ -20,8 +18,8 @@ per 130 ms step (docs/performance.md).
   buffer over 60 MiB still is, and XLA logs a warning for it when it compiles the program.
 
 One arena for the whole process did the same for the blocks, and was this module's first
-answer: it serialised every malloc of XLA's threads on one lock, which cost the `small`
-step 20%, the tiny-shakespeare step 10% and every compile ~30% (docs/performance_xeon.md).
+answer: it serialised every malloc of XLA's threads on one lock, which slowed every step
+and every compile.
 
 It must run before JAX starts its CPU backend (the worker threads pick their arena on their
 first malloc, and XLA reads XLA_FLAGS once), so every `experiments.*` command (`cli.run`)

@@ -87,10 +87,9 @@ def dry_run_report(config: ml_collections.ConfigDict) -> str:
 class FrozenForGC:
   """Leaves everything alive after set-up and compilation out of the cyclic GC's walks.
 
-  A set-up run holds ~400k GC-tracked objects (JAX, Flax, grain, TensorFlow's modules,
-  the traced step). A full (generation 2) collection walks all of them: 236 ms of the
-  loop's thread about once per 500 `small` steps, ~0.5 ms per step on average, on cores
-  XLA's threads share (docs/performance.md). `freeze()` (after the first step has
+  A set-up run holds hundreds of thousands of GC-tracked objects (JAX, Flax, grain,
+  TensorFlow's modules, the traced step), and a full (generation 2) collection walks all
+  of them on the loop's thread, on cores XLA's threads share. `freeze()` (after the first step has
   compiled) moves them to the permanent generation, so collections walk only what the
   loop allocates since. Unfrozen on exit, unless objects had been frozen before entry.
   """

@@ -116,8 +116,8 @@ def _to_global(batch: dict, mesh: jax.sharding.Mesh) -> dict:
 
   Across processes: global jax.Arrays (data.make_global_batch). In one process the host
   batch is the global batch: after the same divisibility check it goes to the step as
-  numpy, and jit copies it to its in_shardings in C++. device_put's Python path cost the
-  loop's thread ~1 ms more per step on 2 cores, CPU that XLA's threads lose (docs/performance.md).
+  numpy, and jit copies it to its in_shardings in C++, cheaper for the loop's thread than
+  device_put's Python path.
   """
   if jax.process_count() > 1:
     return data.make_global_batch(batch, mesh, sharding.BATCH_AXES)
@@ -158,8 +158,8 @@ def state_layout(config, module, tx, example: dict, mesh, rules) -> StateLayout:
 # parameter update's fusion recomputes the new moments from the old ones while the
 # moments' own fusion overwrites them in place, so each step began with a copy of every
 # moment leaf (136 on tiny-shakespeare, 1.7M floats). Region analysis finds the order
-# that makes the copies unnecessary; the program computes the same bits
-# (docs/performance.md, tenth part). Given per program, not through XLA_FLAGS, so a
+# that makes the copies unnecessary; the program computes the same bits. Given per
+# program, not through XLA_FLAGS, so a
 # user's own programs in the same process are left as they were.
 CPU_TRAIN_STEP_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
 
@@ -169,9 +169,8 @@ def train_step_compiler_options(platform: str) -> dict[str, Any]:
   return dict(CPU_TRAIN_STEP_OPTIONS) if platform == "cpu" else {}
 
 
-# The state's initialisation runs once, for ~15 ms on tiny-shakespeare, and compiles for
-# 2-2.6 s on 2 cores: LLVM optimising ~200 fusions of threefry and erf_inv, one per
-# parameter. At LLVM's -O1 it compiles ~0.5 s sooner and computes the same bits
+# The state's initialisation runs once but compiles slowly: LLVM optimising one fusion of
+# threefry and erf_inv per parameter. At LLVM's -O1 it compiles sooner and computes the same bits
 # (tests/train/test_init_program.py compares every family; level 0 changes them). The
 # steps, which run thousands of times, keep XLA's default level.
 CPU_INIT_OPTIONS = {"xla_backend_optimization_level": 1}
@@ -230,8 +229,7 @@ def compile_ahead(train_step, abstract_state, batch: dict) -> threading.Thread |
   """Starts compiling the train step on a thread, while `init` builds the state.
 
   Tracing is Python and XLA's compile passes run on one thread, so `init`'s compile and
-  the step's overlap on 2 cores: the shipped tiny-shakespeare config reaches its second
-  step 0.4 s sooner (3.40-3.45 vs 3.78-3.86 s; docs/performance_xeon.md). The first call
+  the step's overlap on 2 cores, and the second step comes sooner. The first call
   then finds the executable in JAX's caches. With several processes the step compiles in
   lockstep at its first call (multihost.compile_in_lockstep), so nothing is started.
 
