@@ -24,5 +24,4 @@ KERNELS = ops.Kernels(
     normalize=projection.normalize,
     einsum=einsum.einsum,
     dense_attention=chunked_attention.dense_attention,
-    forward_mode=False,
 )

@@ -89,7 +89,6 @@ class Kernels:
   normalize: Callable[..., Array] = normalize
   einsum: Callable[..., Array] = einsum
   dense_attention: Callable[..., Array] | None = None
-  forward_mode: bool = True  # whether jax.jvp / jax.linearize work through these kernels
 
 
 ENTRY_POINT_GROUP = "tx_jax.kernels"

@@ -32,8 +32,6 @@ def _pallas(q_BTNH, k_BSKH, v_BSKH, spec, *, scale, kernels=None, **dropout) -> 
 # (each backend also raises on its own when called).
 GPU_ONLY_BACKENDS = ("cudnn", "pallas")
 NO_DROPOUT_BACKENDS = ("blockwise", "cudnn", "pallas")
-# Backends whose backward is a custom VJP (FlashAttention's recomputation): reverse mode only.
-REVERSE_MODE_ONLY_BACKENDS = ("blockwise", "cudnn", "pallas")
 
 BACKENDS: dict[str, Callable[..., Array]] = {
     "dense": dense,
