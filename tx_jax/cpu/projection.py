@@ -12,19 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from tx_jax.cpu import gemm
+from tx_jax.layers import ops
 
 Array = jnp.ndarray
 
 
 def _contract(x: Array, kernel: Array, in_dims: int, preferred_element_type=None) -> Array:
-  """x [*batch, *in] · kernel [*in, *out] -> [*batch, *out]."""
-  contract = tuple(range(x.ndim - in_dims, x.ndim))
-  return jax.lax.dot_general(
-      x,
-      kernel,
-      ((contract, tuple(range(in_dims))), ((), ())),
-      preferred_element_type=preferred_element_type,
-  )
+  """x [*batch, *in] · kernel [*in, *out] -> [*batch, *out], as the plain kernels compute it."""
+  return ops.project(x, kernel, in_dims, preferred_element_type=preferred_element_type)
 
 
 def project(
