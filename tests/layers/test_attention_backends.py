@@ -314,3 +314,46 @@ def test_dropout_is_refused_where_unsupported():
     blockwise_attention(
         *_qkv(N), _spec("causal"), scale=SCALE, dropout_rate=0.1, deterministic=False
     )
+
+
+def _splash(q, k, v, spec, *, scale):
+  from tx_jax.layers.attention.splash import splash_attention  # pylint: disable=g-import-not-at-top
+
+  return splash_attention(q, k, v, spec, scale=scale, interpret=True)
+
+
+# The TPU kernel in TPU interpret mode: each case compiles a forward and a backward kernel
+# interpreted on the CPU, so the fast tier keeps one case that covers packing, padding,
+# causality and GQA; the other mask kinds and head layouts run in the slow tier.
+SPLASH_CASES = [pytest.param("causal+packing", 2)] + [
+    pytest.param(kind, heads, marks=pytest.mark.slow)
+    for kind, heads in MASK_CASES
+    if kind != "causal+packing"
+]
+
+
+@pytest.mark.parametrize("kind,num_kv_heads", SPLASH_CASES)
+def test_splash_equals_dense_in_tpu_interpret_mode(kind, num_kv_heads):
+  """The TPU splash kernel's numerics on CPU: forward and gradients, odd lengths."""
+  spec = _spec(kind)
+  _assert_equal_to_dense(_splash, spec, *_qkv(num_kv_heads, key_length=spec.key_length))
+
+
+@pytest.mark.parametrize(
+    "spec,what",
+    [
+        (_spec("causal", "t5"), "RelativeBias"),
+        (_spec("causal", "alibi"), "AlibiBias"),
+        (_spec("causal").replace(same_tokens=False), "array positions"),
+    ],
+)
+def test_splash_names_what_it_does_not_support(spec, what):
+  q, k, v = _qkv(N, key_length=spec.key_length)
+  with pytest.raises(ValueError, match=what):
+    _splash(q, k, v, spec, scale=SCALE)
+
+
+@pytest.mark.skipif(jax.default_backend() == "tpu", reason="checks the error off TPU")
+def test_splash_says_it_needs_a_tpu():
+  with pytest.raises(ValueError, match="needs a TPU"):
+    BACKENDS["splash"](*_qkv(N), _spec("causal"), scale=SCALE)
