@@ -64,6 +64,16 @@ def test_train_config_names_the_field(make, overrides, match):
     validation.train_config(config, num_devices=1, num_processes=1)
 
 
+def test_a_backend_whose_kernel_this_jax_lacks_is_refused(monkeypatch):
+  from tx_jax.layers.attention import backends
+
+  monkeypatch.setitem(backends.KERNEL_MODULES, "pallas", "jax.experimental.no_such_kernel")
+  config = gpt.get_config("tiny")
+  config.model.attention_backend = "pallas"
+  with pytest.raises(ValueError, match=r"needs jax.experimental.no_such_kernel, which jax"):
+    validation.attention_backend_runs_here(config, "gpu")
+
+
 def test_packed_inputs_follow_data_pack():
   """The attention's promise of unpacked rows is the data pipeline's own flag."""
   config = gpt.get_config("tiny")

@@ -161,7 +161,8 @@ def attention_backend_supported(config: ml_collections.ConfigDict) -> None:
 
 
 def attention_backend_runs_here(config: ml_collections.ConfigDict, platform: str) -> None:
-  """GPU- and TPU-only backends refused on another platform (JAX's default backend name)."""
+  """GPU- and TPU-only backends refused on another platform (JAX's default backend name),
+  and backends whose kernel this JAX does not ship."""
   from tx_jax.layers.attention import backends as ab  # pylint: disable=g-import-not-at-top
 
   backend = config.model.attention_backend
@@ -174,6 +175,15 @@ def attention_backend_runs_here(config: ml_collections.ConfigDict, platform: str
     raise ValueError(
         f"config.model.attention_backend={backend!r} needs a TPU, but JAX runs on "
         f"{platform!r}; use 'dense' or 'blockwise' here"
+    )
+  missing = ab.missing_kernel(backend)
+  if missing is not None:
+    import jax  # pylint: disable=g-import-not-at-top
+
+    raise ValueError(
+        f"config.model.attention_backend={backend!r} needs {missing}, which jax "
+        f"{jax.__version__} does not ship; use 'cudnn' or 'blockwise', or a jax that has it "
+        "(the Pallas GPU attention: jax <= 0.12.0)"
     )
 
 

@@ -14,6 +14,7 @@ import pytest
 from tests.layers import masks
 from tx_jax.layers import ops
 from tx_jax.layers.attention import BACKENDS, AttentionSpec, get_backend
+from tx_jax.layers.attention import backends as attention_backends
 from tx_jax.layers.attention.dense import dense, dense_attention
 from tx_jax.layers.attention.blockwise import blockwise_attention
 from tx_jax.layers.attention.pallas import pallas_attention
@@ -276,8 +277,14 @@ def test_blocks_of_the_spec_are_blocks_of_the_mask():
 
 
 PALLAS_KINDS = ["causal+packing", "padding"]
+# jax 0.12.1 removed the Pallas GPU attention kernel (tx_jax supports jax up to 0.12.x).
+PALLAS_MISSING = attention_backends.missing_kernel("pallas")
+needs_pallas_kernel = pytest.mark.skipif(
+    PALLAS_MISSING is not None, reason=f"this jax has no {PALLAS_MISSING}"
+)
 
 
+@needs_pallas_kernel
 @pytest.mark.parametrize("kind", PALLAS_KINDS)
 def test_pallas_equals_dense_in_interpret_mode(kind):
   """The Pallas GPU kernel's numerics on CPU; GQA, odd length, padding rows."""
@@ -300,6 +307,12 @@ def test_pallas_names_what_it_does_not_support(spec, what):
   q, k, v = _qkv(N, key_length=spec.key_length)
   with pytest.raises(ValueError, match=what):
     pallas_attention(q, k, v, spec, scale=SCALE, interpret=True)
+
+
+@pytest.mark.skipif(PALLAS_MISSING is None, reason="this jax ships the Pallas GPU kernel")
+def test_pallas_names_the_missing_kernel():
+  with pytest.raises(ValueError, match="does not ship; use 'cudnn' or 'blockwise'"):
+    pallas_attention(*_qkv(N), _spec("causal"), scale=SCALE, interpret=True)
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the error off GPU")

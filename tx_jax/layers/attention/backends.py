@@ -11,6 +11,7 @@ Adding a backend means one module and one entry here.
 from __future__ import annotations
 
 import functools
+import importlib.util
 from typing import Callable
 
 import jax.numpy as jnp
@@ -47,6 +48,24 @@ NO_BIAS_BACKENDS = ("pallas", "splash")  # no T5 relative bias, no ALiBi
 UNPACKED_ONLY_BACKENDS = ("cudnn",)
 # Backends whose backward is a custom VJP (FlashAttention's recomputation): reverse mode only.
 REVERSE_MODE_ONLY_BACKENDS = ("blockwise", "cudnn", "pallas", "splash")
+
+# The JAX modules holding a backend's kernel: jax 0.12.1 removed the Pallas GPU (Triton)
+# attention that `pallas` wraps, while tx_jax supports jax up to 0.12.x.
+KERNEL_MODULES = {
+    "pallas": "jax.experimental.pallas.ops.gpu.attention",
+    "splash": "jax.experimental.pallas.ops.tpu.splash_attention",
+}
+
+
+def missing_kernel(name: str) -> str | None:
+  """The kernel module backend `name` needs if this JAX lacks it, else None."""
+  module = KERNEL_MODULES.get(name)
+  try:
+    found = module is None or importlib.util.find_spec(module) is not None
+  except ModuleNotFoundError:
+    found = False
+  return None if found else module
+
 
 BACKENDS: dict[str, Callable[..., Array]] = {
     "dense": dense,

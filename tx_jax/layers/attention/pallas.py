@@ -15,7 +15,8 @@ error naming the backend that does.
 Lengths are padded to the block size with segment id 0. The kernel lets a padding query
 attend to padding keys (0 == 0); those rows are zeroed afterwards, as in `dense`, which
 also stops their gradient. On CPU the kernel runs only with `interpret=True` (tests).
-TPU's splash kernel is the `splash` backend (splash.py).
+TPU's splash kernel is the `splash` backend (splash.py). jax 0.12.1 removed this kernel:
+there the backend raises an error naming the alternatives.
 """
 
 from __future__ import annotations
@@ -88,7 +89,14 @@ def pallas_attention(
         f"but JAX runs on {jax.default_backend()!r}; use 'blockwise' or 'dense' there "
         "(tests run the kernel with interpret=True)"
     )
-  from jax.experimental.pallas.ops.gpu import attention as pallas_gpu
+  try:
+    from jax.experimental.pallas.ops.gpu import attention as pallas_gpu
+  except ImportError as e:  # jax 0.12.1 removed the Triton attention kernel
+    raise ValueError(
+        "model.attention_backend='pallas' wraps jax.experimental.pallas.ops.gpu.attention, "
+        f"which jax {jax.__version__} does not ship; use 'cudnn' or 'blockwise', or a jax "
+        "that has it (jax <= 0.12.0)"
+    ) from e
 
   batch, length, num_heads, head_dim = q_BTNH.shape
   size = _block_size(length, block)
