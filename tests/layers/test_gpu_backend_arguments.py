@@ -179,3 +179,29 @@ def test_pallas_passes_segment_ids_and_repeated_kv_heads(monkeypatch, on_gpu):
   padded = call["segment_ids"].shape[1]
   np.testing.assert_array_equal(call["segment_ids"][:, :T], PACKED)
   np.testing.assert_array_equal(call["segment_ids"][:, T:], np.zeros((B, padded - T)))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "transformer"])
+def test_models_pass_their_packing_promise_to_cudnn(name, cudnn_calls):
+  """Self- and cross-attention of a model with packed_inputs=False reach cuDNN without a
+  mask and match `dense`; packed_inputs=True is refused, naming the backends that pack."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+
+  from tests.layers.test_attention_models import _batch  # pylint: disable=g-import-not-at-top
+  from tests.models.variants import VARIANTS  # pylint: disable=g-import-not-at-top
+  from tx_jax.models import build, model_inputs  # pylint: disable=g-import-not-at-top
+
+  config = dataclasses.replace(VARIANTS[name], dtype="bfloat16", packed_inputs=False)
+  args, kwargs = model_inputs(config, _batch(config.family, packed=False))
+  dense_model = build(dataclasses.replace(config, attention_backend="dense"))
+  params = dense_model.init(jax.random.PRNGKey(0), *args, **kwargs)
+  want = dense_model.apply(params, *args, **kwargs)
+  got = build(dataclasses.replace(config, attention_backend="cudnn")).apply(params, *args, **kwargs)
+  stacks = config.num_layers + config.num_decoder_layers * 2  # decoder: self and cross
+  assert len(cudnn_calls) == stacks and all(c["mask"] is None for c in cudnn_calls)
+  weights = np.asarray(kwargs.get("segment_ids", kwargs.get("decoder_segment_ids"))) > 0
+  error = np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32))[weights]
+  assert np.max(error) < 0.1 * max(1.0, np.max(np.abs(np.asarray(want, np.float32))))
+  packed = build(dataclasses.replace(config, attention_backend="cudnn", packed_inputs=True))
+  with pytest.raises(ValueError, match="'pallas'"):
+    packed.apply(params, *args, **kwargs)
