@@ -49,9 +49,15 @@ def model_config() -> ml_collections.ConfigDict:
   m.dtype = "float32"  # compute dtype: "float32" or "bfloat16" (softmax/logits/loss stay f32)
   m.param_dtype = "float32"  # parameter storage dtype
   # "dense" (XLA einsums, full [T, S]), "blockwise" (online softmax over key blocks, any
-  # device), "cudnn" (jax.nn fused kernel, NVIDIA GPU, bf16/fp16), "pallas" (JAX's Pallas
-  # flash kernel, GPU; self-attention without bias or window)
+  # device), "cudnn" (jax.nn fused kernel, NVIDIA GPU, bf16/fp16, unpacked rows), "pallas"
+  # (JAX's Pallas flash kernel, GPU; self-attention without bias or window), "splash" (JAX's
+  # Pallas splash kernel, TPU; no bias)
   m.attention_backend = "dense"
+  m.blockwise_block_q = 512  # query block of the "blockwise" backend
+  m.blockwise_block_k = 512  # key block of the "blockwise" backend
+  # Rows may hold several segments, or padding before the end; base_config ties it to
+  # data.pack. False lets "cudnn" take sequence lengths instead of a [T, S] mask
+  m.packed_inputs = True
   # Kernels behind the layers' one seam (tx_jax/layers/ops.py): "plain" (JAX ops under
   # autodiff, every platform) or "cpu" (opt-in XLA:CPU tuning, tx_jax/cpu: MKL with the
   # cpu-mkl extra, custom VJPs, chunked causal `dense`). "cpu" is reverse-mode only: its
@@ -72,6 +78,8 @@ def base_config() -> ml_collections.ConfigDict:
   config.seed = 0  # seeds parameter init, dropout and anything else random in training
   config.model = model_config()
   config.data = data_defaults.data_config()
+  # One fact: what the data pipeline packs is what the attention backends are told.
+  config.model.packed_inputs = config.data.get_ref("pack")
   config.train = train_defaults.train_config()
   config.optimizer = train_defaults.optimizer_config()
   config.schedule = train_defaults.schedule_config()

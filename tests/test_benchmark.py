@@ -236,3 +236,5 @@ def test_h200_preset_code_path_runs_on_cpu_at_toy_sizes(tmp_path, data_dir):
   assert [r["model"] for r in rows] == ["tiny", "llama-tiny"]
   assert all(r["dtype"] == "bfloat16" and r["mfu"] > 0 for r in rows), rows
   assert report["attention"]["dtype"] == "bfloat16" and report["attention"]["rows"]
+  blocks = [r for r in report["blocks"]["rows"] if r["backend"] == "blockwise"]
+  assert [r["block"] for r in blocks] == [16, 32] and all(r["time_ms"] > 0 for r in blocks)

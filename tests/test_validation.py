@@ -42,6 +42,13 @@ from tx_jax import checkpoint, cli, validation
         (t5.get_config, {"model.attention_backend": "pallas"}, r"positions='relative'"),
         (transformer.get_config, {"model.attention_backend": "pallas"}, r"cross-attention"),
         (
+            gpt.get_config,  # packed rows: cuDNN would need a [T, S] mask
+            {"data.pack": True, "model.attention_backend": "cudnn", "model.dtype": "bfloat16"},
+            r"packed_inputs=True \(config.data.pack=True\).*'pallas'",
+        ),
+        (gpt.get_config, {"model.attention_backend": "splash"}, r"'splash' needs a TPU"),
+        (t5.get_config, {"model.attention_backend": "splash"}, r"positions='relative'"),
+        (
             gpt.get_config,
             {"model.attention_backend": "blockwise", "model.attention_dropout_rate": 0.1},
             r"'blockwise' has no attention dropout.*attention_dropout_rate=0.1",
@@ -55,6 +62,25 @@ def test_train_config_names_the_field(make, overrides, match):
     config[section][field] = value
   with pytest.raises(ValueError, match=match):
     validation.train_config(config, num_devices=1, num_processes=1)
+
+
+def test_a_backend_whose_kernel_this_jax_lacks_is_refused(monkeypatch):
+  from tx_jax.layers.attention import backends
+
+  monkeypatch.setitem(backends.KERNEL_MODULES, "pallas", "jax.experimental.no_such_kernel")
+  config = gpt.get_config("tiny")
+  config.model.attention_backend = "pallas"
+  with pytest.raises(ValueError, match=r"needs jax.experimental.no_such_kernel, which jax"):
+    validation.attention_backend_runs_here(config, "gpu")
+
+
+def test_packed_inputs_follow_data_pack():
+  """The attention's promise of unpacked rows is the data pipeline's own flag."""
+  config = gpt.get_config("tiny")
+  assert not config.data.pack and not config.model.packed_inputs
+  config.data.pack = True
+  assert config.model.packed_inputs
+  assert transformer.get_config("multi30k").model.packed_inputs  # its preset packs
 
 
 def test_lengths_are_free_for_relative_and_rope_positions():

@@ -137,21 +137,32 @@ def attention_backend_supported(config: ml_collections.ConfigDict) -> None:
         f"{where} computes in bfloat16 or float16, but config.model.dtype={m.dtype!r}; "
         "set config.model.dtype='bfloat16' or use 'dense' / 'blockwise'"
     )
-  if backend == "pallas":
-    if m.positions in ("relative", "alibi"):
-      raise ValueError(
-          f"{where} takes no additive bias, but config.model.positions={m.positions!r} "
-          "adds one; use 'cudnn', 'blockwise' or 'dense'"
-      )
-    if m.family == "encdec":
-      raise ValueError(
-          f"{where} has no cross-attention, which config.model.family='encdec' needs; "
-          "use 'cudnn', 'blockwise' or 'dense'"
-      )
+  if backend in ab.NO_BIAS_BACKENDS and m.positions in ("relative", "alibi"):
+    raise ValueError(
+        f"{where} takes no additive bias, but config.model.positions={m.positions!r} "
+        "adds one; use 'cudnn', 'blockwise' or 'dense'"
+    )
+  if backend == "pallas" and m.family == "encdec":
+    raise ValueError(
+        f"{where} has no cross-attention, which config.model.family='encdec' needs; "
+        "use 'cudnn', 'blockwise' or 'dense'"
+    )
+  if config.data.pack and not m.packed_inputs:
+    raise ValueError(
+        "config.data.pack=True packs several examples per row, but config.model."
+        "packed_inputs=False tells the attention there is one; set it to True"
+    )
+  if backend in ab.UNPACKED_ONLY_BACKENDS and m.packed_inputs:
+    raise ValueError(
+        f"{where} takes padding as sequence lengths and needs one segment per row, but "
+        f"config.model.packed_inputs=True (config.data.pack={config.data.pack}); set "
+        "data.pack=False, or use 'pallas' (GPU) or 'blockwise' for packed rows"
+    )
 
 
 def attention_backend_runs_here(config: ml_collections.ConfigDict, platform: str) -> None:
-  """GPU-only backends refused on another platform (JAX's default backend name)."""
+  """GPU- and TPU-only backends refused on another platform (JAX's default backend name),
+  and backends whose kernel this JAX does not ship."""
   from tx_jax.layers.attention import backends as ab  # pylint: disable=g-import-not-at-top
 
   backend = config.model.attention_backend
@@ -159,6 +170,20 @@ def attention_backend_runs_here(config: ml_collections.ConfigDict, platform: str
     raise ValueError(
         f"config.model.attention_backend={backend!r} needs an NVIDIA GPU, but JAX runs on "
         f"{platform!r}; use 'dense' or 'blockwise' here"
+    )
+  if backend in ab.TPU_ONLY_BACKENDS and platform != "tpu":
+    raise ValueError(
+        f"config.model.attention_backend={backend!r} needs a TPU, but JAX runs on "
+        f"{platform!r}; use 'dense' or 'blockwise' here"
+    )
+  missing = ab.missing_kernel(backend)
+  if missing is not None:
+    import jax  # pylint: disable=g-import-not-at-top
+
+    raise ValueError(
+        f"config.model.attention_backend={backend!r} needs {missing}, which jax "
+        f"{jax.__version__} does not ship; use 'cudnn' or 'blockwise', or a jax that has it "
+        "(the Pallas GPU attention: jax <= 0.12.0)"
     )
 
 

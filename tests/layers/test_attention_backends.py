@@ -14,6 +14,7 @@ import pytest
 from tests.layers import masks
 from tx_jax.layers import ops
 from tx_jax.layers.attention import BACKENDS, AttentionSpec, get_backend
+from tx_jax.layers.attention import backends as attention_backends
 from tx_jax.layers.attention.dense import dense, dense_attention
 from tx_jax.layers.attention.blockwise import blockwise_attention
 from tx_jax.layers.attention.pallas import pallas_attention
@@ -276,8 +277,14 @@ def test_blocks_of_the_spec_are_blocks_of_the_mask():
 
 
 PALLAS_KINDS = ["causal+packing", "padding"]
+# jax 0.12.1 removed the Pallas GPU attention kernel (tx_jax supports jax up to 0.12.x).
+PALLAS_MISSING = attention_backends.missing_kernel("pallas")
+needs_pallas_kernel = pytest.mark.skipif(
+    PALLAS_MISSING is not None, reason=f"this jax has no {PALLAS_MISSING}"
+)
 
 
+@needs_pallas_kernel
 @pytest.mark.parametrize("kind", PALLAS_KINDS)
 def test_pallas_equals_dense_in_interpret_mode(kind):
   """The Pallas GPU kernel's numerics on CPU; GQA, odd length, padding rows."""
@@ -302,6 +309,12 @@ def test_pallas_names_what_it_does_not_support(spec, what):
     pallas_attention(q, k, v, spec, scale=SCALE, interpret=True)
 
 
+@pytest.mark.skipif(PALLAS_MISSING is None, reason="this jax ships the Pallas GPU kernel")
+def test_pallas_names_the_missing_kernel():
+  with pytest.raises(ValueError, match="does not ship; use 'cudnn' or 'blockwise'"):
+    pallas_attention(*_qkv(N), _spec("causal"), scale=SCALE, interpret=True)
+
+
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the error off GPU")
 @pytest.mark.parametrize("name", ["cudnn", "pallas"])
 def test_gpu_backends_say_they_need_a_gpu(name):
@@ -314,3 +327,46 @@ def test_dropout_is_refused_where_unsupported():
     blockwise_attention(
         *_qkv(N), _spec("causal"), scale=SCALE, dropout_rate=0.1, deterministic=False
     )
+
+
+def _splash(q, k, v, spec, *, scale):
+  from tx_jax.layers.attention.splash import splash_attention  # pylint: disable=g-import-not-at-top
+
+  return splash_attention(q, k, v, spec, scale=scale, interpret=True)
+
+
+# The TPU kernel in TPU interpret mode: each case compiles a forward and a backward kernel
+# interpreted on the CPU, so the fast tier keeps one case that covers packing, padding,
+# causality and GQA; the other mask kinds and head layouts run in the slow tier.
+SPLASH_CASES = [pytest.param("causal+packing", 2)] + [
+    pytest.param(kind, heads, marks=pytest.mark.slow)
+    for kind, heads in MASK_CASES
+    if kind != "causal+packing"
+]
+
+
+@pytest.mark.parametrize("kind,num_kv_heads", SPLASH_CASES)
+def test_splash_equals_dense_in_tpu_interpret_mode(kind, num_kv_heads):
+  """The TPU splash kernel's numerics on CPU: forward and gradients, odd lengths."""
+  spec = _spec(kind)
+  _assert_equal_to_dense(_splash, spec, *_qkv(num_kv_heads, key_length=spec.key_length))
+
+
+@pytest.mark.parametrize(
+    "spec,what",
+    [
+        (_spec("causal", "t5"), "RelativeBias"),
+        (_spec("causal", "alibi"), "AlibiBias"),
+        (_spec("causal").replace(same_tokens=False), "array positions"),
+    ],
+)
+def test_splash_names_what_it_does_not_support(spec, what):
+  q, k, v = _qkv(N, key_length=spec.key_length)
+  with pytest.raises(ValueError, match=what):
+    _splash(q, k, v, spec, scale=SCALE)
+
+
+@pytest.mark.skipif(jax.default_backend() == "tpu", reason="checks the error off TPU")
+def test_splash_says_it_needs_a_tpu():
+  with pytest.raises(ValueError, match="needs a TPU"):
+    BACKENDS["splash"](*_qkv(N), _spec("causal"), scale=SCALE)

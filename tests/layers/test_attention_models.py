@@ -5,7 +5,6 @@ several blocks of unequal sizes, with skipped ones.
 """
 
 import dataclasses
-import functools
 
 import flax.linen as nn
 import jax
@@ -15,26 +14,24 @@ import optax
 import pytest
 
 from tests.models.variants import VARIANTS
-from tx_jax.layers.attention import backends as attention_backends
-from tx_jax.layers.attention.blockwise import blockwise_attention
 from tx_jax.models import build, model_inputs
 from tx_jax.train.losses import loss_sums
 
 B, T, S, STEPS = 2, 11, 9, 3
 
 
-def _rows(length, seed):
-  """Token ids, segment ids (two packed documents, then padding) and restarting positions."""
+def _rows(length, seed, packed=True):
+  """Token ids, segment ids (two packed documents, or one, then padding) and positions."""
   rng = np.random.default_rng(seed)
-  split, end = length // 2, length - 2
-  segments = np.array([[1] * split + [2] * (end - split) + [0] * (length - end)] * B)
+  split, end = (length // 2 if packed else length), length - 2
+  segments = np.array([[1] * min(split, end) + [2] * (end - split) + [0] * (length - end)] * B)
   positions = np.array([list(range(split)) + list(range(length - split))] * B) * (segments > 0)
   ids = rng.integers(4, 53, (B, length)) * (segments > 0)
   return (jnp.asarray(x, jnp.int32) for x in (ids, segments, positions))
 
 
-def _batch(family):
-  ids, segments, positions = _rows(T, 0)
+def _batch(family, packed=True):
+  ids, segments, positions = _rows(T, 0, packed)
   targets = jnp.roll(ids, -1, axis=1)
   weights = (segments > 0).astype(jnp.float32)
   labels = dict(targets=targets, weights=weights)
@@ -45,7 +42,7 @@ def _batch(family):
     return dict(
         inputs=ids, token_type_ids=types, segment_ids=segments, positions=positions, **labels
     )
-  src, src_segments, src_positions = _rows(S, 1)
+  src, src_segments, src_positions = _rows(S, 1, packed)
   return dict(
       encoder_inputs=src,
       encoder_segment_ids=src_segments,
@@ -59,7 +56,7 @@ def _batch(family):
 
 def _train_losses(config):
   module = build(config)
-  batch = _batch(config.family)
+  batch = _batch(config.family, config.packed_inputs)
   args, kwargs = model_inputs(config, batch)
   params = nn.unbox(module.init(jax.random.PRNGKey(0), *args, **kwargs)["params"])
   optimizer = optax.adam(1e-2)
@@ -88,10 +85,8 @@ FAMILIES = ["gpt2", "llama", "alibi", "t5_decoder_only", "bert", "t5", "transfor
 
 @pytest.mark.slow  # about 40-120 s each on a loaded 2-core CPU, mostly compilation
 @pytest.mark.parametrize("name", FAMILIES)
-def test_blockwise_trains_like_dense(name, monkeypatch):
-  small_blocks = functools.partial(blockwise_attention, block_q=4, block_k=3)
-  monkeypatch.setitem(attention_backends.BACKENDS, "blockwise", small_blocks)
-  config = VARIANTS[name]
+def test_blockwise_trains_like_dense(name):
+  config = dataclasses.replace(VARIANTS[name], blockwise_block_q=4, blockwise_block_k=3)
   dense = _train_losses(dataclasses.replace(config, attention_backend="dense"))
   blockwise = _train_losses(dataclasses.replace(config, attention_backend="blockwise"))
   assert np.all(np.isfinite(dense)) and dense[-1] < dense[0]  # it really trains
@@ -99,11 +94,15 @@ def test_blockwise_trains_like_dense(name, monkeypatch):
 
 
 @pytest.mark.slow
-def test_blockwise_under_scanned_rematerialised_layers(monkeypatch):
+def test_blockwise_under_scanned_rematerialised_layers():
   """The description passes through nn.scan (broadcast) and nn.remat like a tensor did."""
-  small_blocks = functools.partial(blockwise_attention, block_q=4, block_k=3)
-  monkeypatch.setitem(attention_backends.BACKENDS, "blockwise", small_blocks)
-  config = dataclasses.replace(VARIANTS["llama"], scan_layers=True, remat_policy="full")
+  config = dataclasses.replace(
+      VARIANTS["llama"],
+      scan_layers=True,
+      remat_policy="full",
+      blockwise_block_q=4,
+      blockwise_block_k=3,
+  )
   dense = _train_losses(dataclasses.replace(config, attention_backend="dense"))
   blockwise = _train_losses(dataclasses.replace(config, attention_backend="blockwise"))
   np.testing.assert_allclose(blockwise, dense, rtol=1e-5)

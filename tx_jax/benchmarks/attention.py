@@ -34,31 +34,44 @@ def available_bytes() -> int:
   return 0
 
 
-def attention_fn(backend: str, causal: bool = True):
-  """(q_BTNH, k_BSNH, v_BSNH) -> out_BTNH through tx_jax's `backend`, causal by index."""
+def attention_fn(backend: str, causal: bool = True, block: int | None = None):
+  """(q_BTNH, k_BSNH, v_BSNH) -> out_BTNH through tx_jax's `backend`, causal by index;
+  `block`: blockwise's query and key block (None: its default)."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
   from tx_jax.layers.attention import backends as attention_backends  # pylint: disable=g-import-not-at-top
   from tx_jax.layers.attention import AttentionSpec  # pylint: disable=g-import-not-at-top
 
-  attend = attention_backends.get_backend(backend)
+  blocks = {} if block is None else {"block_q": block, "block_k": block}
+  attend = attention_backends.get_backend(backend, **blocks)
 
   def call(q, k, v):
     # The description, not a [T, S] mask: each backend materialises only what it needs.
     segment_ids_BT = jnp.ones(q.shape[:2], jnp.int32)
-    spec = AttentionSpec.self_attention(segment_ids_BT, causal=causal)
+    # One segment per row, no padding: unpacked, so `cudnn` takes it as lengths.
+    spec = AttentionSpec.self_attention(segment_ids_BT, causal=causal, packed=False)
     return attend(q, k, v, spec, scale=q.shape[-1] ** -0.5)
 
   return call
 
 
-def measure(backend: str, seq_len: int, dtype: str, repeats: int, heads: int, head_dim: int) -> dict:
+def measure(
+    backend: str,
+    seq_len: int,
+    dtype: str,
+    repeats: int,
+    heads: int,
+    head_dim: int,
+    block: int | None = None,
+) -> dict:
   """One row: compile, check the predicted peak against the memory budget, time fwd+bwd."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp
 
   row = {"backend": backend, "seq_len": seq_len, "time_ms": None, "peak_bytes": None}
-  attend = attention_fn(backend)
+  if block is not None:
+    row["block"] = block
+  attend = attention_fn(backend, block=block)
   loss = lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32))  # noqa: E731
   grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
   shape = jax.ShapeDtypeStruct((BATCH, seq_len, heads, head_dim), jnp.dtype(dtype))

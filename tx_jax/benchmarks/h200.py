@@ -1,5 +1,5 @@
 """`--preset h200`: bf16 train steps of GPT-2-medium and a LLaMA-style 1B, MFU vs 989 TFLOP/s,
-and the GPU attention backends at 4k-32k.
+the GPU attention backends at 4k-32k, and `blockwise` at several block sizes (`blocks`).
 
 Compute in bfloat16 with float32 parameters and AdamW state (the usual mixed precision),
 attention through `ATTENTION_BACKEND` where the GPU has it. Under `smoke` the same code
@@ -21,6 +21,10 @@ TRAIN_TARGETS = (  # (preset, batch, seq_len)
 )
 GPU_BACKENDS = ("cudnn", "pallas", "blockwise", "dense")
 GPU_LENGTHS = (4096, 8192, 16384, 32768)
+# Does a larger blockwise block help on a GPU (model.blockwise_block_q/_k)? dense and cudnn
+# at the same lengths are the yardsticks.
+BLOCKWISE_BLOCKS = (256, 512, 1024, 2048)
+BLOCK_LENGTHS = (8192, 16384)
 TIMED_STEPS = 5
 
 
@@ -93,6 +97,45 @@ def run_attention(options: Options) -> dict:
   result = attention.sweep(backends, GPU_LENGTHS, "bfloat16", 5, heads=16, head_dim=128)
   result["missing_backends"] = sorted(set(GPU_BACKENDS) - set(backends))
   return result
+
+
+def run_blocks(options: Options) -> dict:
+  """blockwise fwd+bwd time per block size, bf16, beside dense and cudnn at the same lengths."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  if options.smoke:
+    blocks, lengths, repeats, heads, head_dim = (16, 32), (64,), 1, 2, 8
+  else:
+    blocks, lengths, repeats, heads, head_dim = BLOCKWISE_BLOCKS, BLOCK_LENGTHS, 3, 16, 128
+  yardsticks = ("dense", "cudnn") if jax.default_backend() == "gpu" else ("dense",)
+  rows = []
+  for seq_len in lengths:
+    for backend in yardsticks:
+      rows.append(attention.measure(backend, seq_len, "bfloat16", repeats, heads, head_dim))
+    for block in blocks:
+      rows.append(
+          attention.measure("blockwise", seq_len, "bfloat16", repeats, heads, head_dim, block)
+      )
+  return {"dtype": "bfloat16", "heads": heads, "head_dim": head_dim, "rows": rows}
+
+
+def plot_blocks(result: dict, path) -> None:
+  """blockwise time against block size, one line per length; yardsticks as dashed lines."""
+  plt = common.pyplot()
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for seq_len in sorted({r["seq_len"] for r in result["rows"]}):
+    rows = [r for r in result["rows"] if r["seq_len"] == seq_len and r["time_ms"] is not None]
+    blocks = [r for r in rows if r["backend"] == "blockwise"]
+    line = ax.plot([r["block"] for r in blocks], [r["time_ms"] for r in blocks], marker="o")
+    for r in rows:
+      if r["backend"] != "blockwise":
+        ax.axhline(r["time_ms"], color=line[0].get_color(), linestyle="--", linewidth=0.8)
+    line[0].set_label(f"T={seq_len} (dashed: dense, cudnn)")
+  ax.set(xscale="log", xlabel="blockwise block", ylabel="fwd+bwd ms", title="blockwise blocks")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
 
 
 def plot_train(result: dict, path) -> None:

@@ -24,6 +24,7 @@ def _sections(preset: str) -> dict[str, tuple[Callable, Callable]]:
     return {
         "train": (h200.run_train, h200.plot_train),
         "attention": (h200.run_attention, attention.plot),
+        "blocks": (h200.run_blocks, h200.plot_blocks),
     }
   return {
       "train": (train.run_train, lambda r, p: train.plot(r, p, "train: bench config")),

@@ -50,6 +50,7 @@ class LayerSpec:
   attention_dropout_rate: float = 0.0
   mlp_inner_dropout_rate: float = 0.0
   attention_backend: str = "dense"
+  blockwise_blocks: tuple[int, int] = (512, 512)  # `blockwise` backend's (query, key) blocks
   fused_qkv: bool = False  # self-attention from stacked q, k, v kernels (MultiHeadAttention)
   kernels: str = ops.PLAIN  # the `layers.ops` kernel set of every projection and attention
   cross_attention: bool = False
@@ -86,6 +87,7 @@ class TransformerLayer(nn.Module):
           use_bias=s.attention_bias,
           dropout_rate=s.attention_dropout_rate,
           backend=s.attention_backend,
+          blockwise_blocks=s.blockwise_blocks,
           scale=s.attention_scale,
           rope_theta=s.rope_theta if name == "self_attention" else None,
           fused_qkv=s.fused_qkv and name == "self_attention",

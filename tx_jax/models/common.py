@@ -132,7 +132,9 @@ def self_attention_spec(
     bias = alibi(config.num_heads)
   if decode_slots is None:
     # Causality by index, not position: positions restart inside packed rows.
-    return AttentionSpec.self_attention(segment_ids_BT, positions_BT, causal=causal, bias=bias)
+    return AttentionSpec.self_attention(
+        segment_ids_BT, positions_BT, causal=causal, bias=bias, packed=config.packed_inputs
+    )
   # Keys are cache slots; within a row slot differences are position differences.
   query_slots, key_slots, query_seg, key_seg = decode_slots(segment_ids_BT)
   return AttentionSpec(

@@ -70,6 +70,9 @@ class ModelConfig:
   dtype: str = "float32"
   param_dtype: str = "float32"
   attention_backend: str = "dense"
+  blockwise_block_q: int = 512
+  blockwise_block_k: int = 512
+  packed_inputs: bool = True
   kernels: str = "plain"
   fused_qkv: bool = False
   scan_layers: bool = False
@@ -115,6 +118,8 @@ class ModelConfig:
         "head_dim",
         "mlp_dim",
         "max_len",
+        "blockwise_block_q",
+        "blockwise_block_k",
     ]
     if self.family == "encdec":
       positive.append("num_decoder_layers")
@@ -185,6 +190,7 @@ class ModelConfig:
         attention_dropout_rate=self.attention_dropout_rate,
         mlp_inner_dropout_rate=self.mlp_inner_dropout_rate,
         attention_backend=self.attention_backend,
+        blockwise_blocks=(self.blockwise_block_q, self.blockwise_block_k),
         fused_qkv=self.fused_qkv,
         kernels=self.kernels,
         cross_attention=cross_attention,

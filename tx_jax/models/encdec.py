@@ -118,7 +118,9 @@ class EncoderDecoder(nn.Module):
           (segment_ids != 0).astype(jnp.int32), (encoder_segments != 0).astype(jnp.int32)
       )
     else:
-      cross_spec = AttentionSpec.cross_attention(segment_ids, encoder_segments)
+      cross_spec = AttentionSpec.cross_attention(
+          segment_ids, encoder_segments, packed=c.packed_inputs
+      )
     x_BTD = self.decoder(
         x_BTD,
         encoded_BSD=encoded,

@@ -1,4 +1,15 @@
-"""The `cudnn` backend: jax.nn.dot_product_attention's fused cuDNN kernel (NVIDIA GPU)."""
+"""The `cudnn` backend: jax.nn.dot_product_attention's fused cuDNN kernel (NVIDIA GPU).
+
+What reaches cuDNN is O(T): sequence lengths for padding, `is_causal`, and a left
+`local_window_size` for a causal sliding window, never a [T, S] mask (which
+jax.nn.dot_product_attention would turn into a [B, 1, T, S] bias). That needs the spec's
+static promise `packed=False` (one segment per row, padding only at its end; config
+`model.packed_inputs`, which follows `data.pack`). Packed rows are refused with an error
+naming 'pallas' (segment ids in the kernel) and 'blockwise': cuDNN's own packed layout
+(segment offsets) is not reachable through jax.nn.dot_product_attention, needs a Hopper GPU
+and a static bound on segments per row. A bias (T5 relative, ALiBi) is passed as the
+[B, N, T, S] tensor cuDNN takes.
+"""
 
 from __future__ import annotations
 
@@ -29,12 +40,42 @@ def unsupported_explicit_mask(backend: str) -> ValueError:
   )
 
 
-def zero_fully_masked_rows(out_BTNH: Array, mask_B1TS: Array | None) -> Array:
-  """A query whose keys are all masked attends to nothing: its output is exactly 0."""
-  if mask_B1TS is None:
-    return out_BTNH
-  any_key_BT = jnp.any(mask_B1TS[:, 0], axis=-1)
-  return jnp.where(any_key_BT[:, :, None, None], out_BTNH, 0).astype(out_BTNH.dtype)
+def check_supported(spec: AttentionSpec) -> None:
+  """Raises a ValueError naming what the spec needs that cuDNN cannot take without a mask."""
+  if spec.explicit_mask is not None:
+    raise unsupported_explicit_mask("cudnn")
+  if spec.packed:
+    raise ValueError(
+        "model.attention_backend='cudnn' takes padding as sequence lengths and needs one "
+        "segment per row, but the AttentionSpec is packed=True (config.model.packed_inputs="
+        "True, which follows data.pack); use 'pallas' (packed self-attention, GPU) or "
+        "'blockwise' for packed rows, or set data.pack=False"
+    )
+  if spec.causal and not spec.same_tokens:
+    raise ValueError(
+        "model.attention_backend='cudnn' is causal by array position, but this spec's "
+        "queries are not its keys 0..T-1 (a KV cache or custom indices); use 'blockwise' or "
+        "'dense'"
+    )
+  if spec.window is not None and not spec.causal:
+    raise ValueError(
+        f"model.attention_backend='cudnn' takes only a left (causal) window, but the spec "
+        f"has window={spec.window} without causality; use 'blockwise' or 'dense'"
+    )
+
+
+def kernel_arguments(spec: AttentionSpec) -> dict:
+  """The O(T) arguments jax.nn.dot_product_attention gets for the spec (no mask)."""
+  check_supported(spec)
+  arguments = {
+      "query_seq_lengths": jnp.sum(spec.query_segment_ids != 0, axis=1, dtype=jnp.int32),
+      "key_value_seq_lengths": jnp.sum(spec.key_segment_ids != 0, axis=1, dtype=jnp.int32),
+      "is_causal": spec.causal,
+  }
+  if spec.window is not None:
+    # The spec's window w keeps keys t - w < s <= t: w - 1 to the left, none to the right.
+    arguments["local_window_size"] = (spec.window - 1, 0)
+  return arguments
 
 
 def cudnn(
@@ -52,8 +93,7 @@ def cudnn(
   """The `cudnn` backend: jax.nn.dot_product_attention's fused cuDNN kernel (NVIDIA GPU)."""
   del dropout_rng, kernels
   no_dropout("cudnn", dropout_rate, deterministic)
-  if spec.explicit_mask is not None:
-    raise unsupported_explicit_mask("cudnn")
+  arguments = kernel_arguments(spec)
   if jax.default_backend() != "gpu":
     raise ValueError(
         f"model.attention_backend='cudnn' needs an NVIDIA GPU, but JAX runs on "
@@ -64,28 +104,26 @@ def cudnn(
         f"model.attention_backend='cudnn' computes in bfloat16 or float16, got {q_BTNH.dtype}; "
         "set model.dtype='bfloat16' or use 'dense' / 'blockwise'"
     )
-  # cuDNN's training kernels refuse odd lengths once a mask or bias is given: pad T and S
-  # to even with masked keys (the padded query rows are dropped below).
   batch, length, num_heads, _ = q_BTNH.shape
   key_length = k_BSKH.shape[1]
-  pad_t, pad_s = length % 2, key_length % 2
-  mask_B1TS = spec.mask()
   bias_BNTS = spec.bias_logits()
+  pad_t = pad_s = 0
   if bias_BNTS is not None:
+    # cuDNN's training kernels refuse odd lengths with a bias: pad T and S to even (beyond
+    # the sequence lengths, so masked; the padded query rows are dropped below).
+    pad_t, pad_s = length % 2, key_length % 2
     bias_BNTS = jnp.broadcast_to(bias_BNTS, (batch, num_heads, length, key_length))
     bias_BNTS = jnp.pad(bias_BNTS, ((0, 0), (0, 0), (0, pad_t), (0, pad_s))).astype(q_BTNH.dtype)
   pad_seq = lambda x, n: jnp.pad(x, ((0, 0), (0, n), (0, 0), (0, 0)))  # noqa: E731
-  out = jax.nn.dot_product_attention(
+  out_BTNH = jax.nn.dot_product_attention(
       pad_seq(q_BTNH, pad_t),
       pad_seq(k_BSKH, pad_s),
       pad_seq(v_BSKH, pad_s),
       bias=bias_BNTS,
-      mask=jnp.pad(mask_B1TS, ((0, 0), (0, 0), (0, pad_t), (0, pad_s))),
       scale=scale,
-      # The mask already holds causality; the flag also lets cuDNN skip the key blocks
-      # above the diagonal. cuDNN's causality is by array position, which is the spec's
-      # index causality only when the indices are 0..T-1 for queries and keys alike.
-      is_causal=spec.causal and spec.same_tokens,
       implementation="cudnn",
+      **arguments,
   )[:, :length]
-  return zero_fully_masked_rows(out, mask_B1TS)
+  # Padding queries, and queries of a row without keys, attend to nothing: exactly 0 (dense).
+  seen_BT = (spec.query_segment_ids != 0) & (arguments["key_value_seq_lengths"][:, None] > 0)
+  return jnp.where(seen_BT[:, :, None, None], out_BTNH, 0).astype(q_BTNH.dtype)

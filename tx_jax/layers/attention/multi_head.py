@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from tx_jax.layers import axes, ops
 from tx_jax.layers.attention.backends import get_backend
+from tx_jax.layers.attention.blockwise import DEFAULT_BLOCK
 from tx_jax.layers.attention.dense import KeyValuePart, dense_attention, dense_attention_over_parts
 from tx_jax.layers.attention.spec import AttentionSpec
 from tx_jax.layers.linear import Linear, stacked_init
@@ -52,6 +53,7 @@ class MultiHeadAttention(nn.Module):
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
   kernels: str = ops.PLAIN  # which `layers.ops` kernel set projects and attends
+  blockwise_blocks: tuple[int, int] = (DEFAULT_BLOCK, DEFAULT_BLOCK)  # `blockwise`: (query, key)
 
   def _fused_projection(self, x_BTD: Array) -> tuple[Array, Array, Array]:
     """(q [B, T, N, H], k, v [B, T, K, H]) from stacked kernels (`fused_qkv`)."""
@@ -140,7 +142,7 @@ class MultiHeadAttention(nn.Module):
     scale = self.scale if self.scale is not None else self.head_dim**-0.5
     if spec is None:
       spec = AttentionSpec.cross_attention(
-          jnp.ones(q_BTNH.shape[:2], jnp.int32), jnp.ones(k_BSKH.shape[:2], jnp.int32)
+          jnp.ones(q_BTNH.shape[:2], jnp.int32), jnp.ones(k_BSKH.shape[:2], jnp.int32), packed=False
       )
     if decode:
       # One step against the cache: the [T, S_max] mask is small, and decoding keeps the
@@ -150,7 +152,8 @@ class MultiHeadAttention(nn.Module):
       )
       return self._output(out_BTNH, x_BTD.shape[-1])
     deterministic = not train or self.dropout_rate == 0.0
-    out_BTNH = get_backend(self.backend)(
+    block_q, block_k = self.blockwise_blocks
+    out_BTNH = get_backend(self.backend, block_q=block_q, block_k=block_k)(
         q_BTNH,
         k_BSKH,
         v_BSKH,

@@ -4,14 +4,19 @@ interface.
 
 What that kernel supports, and so what this backend accepts: self-attention over the
 whole sequence (query i is key i; one segment-id array for both), causal by index or not,
-padding and packing through segment ids, GQA/MQA (K/V heads are repeated here: the kernel
-takes as many K/V heads as query heads). It has no bias (T5 relative, ALiBi), no sliding
-window, no cross-attention, no dropout: those raise an error naming the backend that does.
+padding and packing through segment ids, GQA/MQA. K/V heads are repeated to the query
+heads here: the Triton kernel's K/V BlockSpec indexes K and V by query head (and its
+backward writes dK/dV per query head), so it cannot take fewer; the repeat costs
+[B, T, N, H] per K and V, O(T) like Q, never [T, S]. (JAX's Mosaic GPU kernel,
+`attention_mgpu`, takes GQA but no segment ids, so it cannot pad or pack.) It has no bias
+(T5 relative, ALiBi), no sliding window, no cross-attention, no dropout: those raise an
+error naming the backend that does.
 
 Lengths are padded to the block size with segment id 0. The kernel lets a padding query
 attend to padding keys (0 == 0); those rows are zeroed afterwards, as in `dense`, which
 also stops their gradient. On CPU the kernel runs only with `interpret=True` (tests).
-TPU's flash/splash kernels are not wired: they need a TPU to test.
+TPU's splash kernel is the `splash` backend (splash.py). jax 0.12.1 removed this kernel:
+there the backend raises an error naming the alternatives.
 """
 
 from __future__ import annotations
@@ -84,13 +89,21 @@ def pallas_attention(
         f"but JAX runs on {jax.default_backend()!r}; use 'blockwise' or 'dense' there "
         "(tests run the kernel with interpret=True)"
     )
-  from jax.experimental.pallas.ops.gpu import attention as pallas_gpu
+  try:
+    from jax.experimental.pallas.ops.gpu import attention as pallas_gpu
+  except ImportError as e:  # jax 0.12.1 removed the Triton attention kernel
+    raise ValueError(
+        "model.attention_backend='pallas' wraps jax.experimental.pallas.ops.gpu.attention, "
+        f"which jax {jax.__version__} does not ship; use 'cudnn' or 'blockwise', or a jax "
+        "that has it (jax <= 0.12.0)"
+    ) from e
 
   batch, length, num_heads, head_dim = q_BTNH.shape
   size = _block_size(length, block)
   padded = -(-length // size) * size
   pad = lambda x: jnp.pad(x, ((0, 0), (0, padded - length), (0, 0), (0, 0)))  # noqa: E731
   groups = num_heads // k_BSKH.shape[2]
+  # The kernel indexes K/V by query head (module docstring): repeat them per group.
   k_BTNH = jnp.repeat(pad(k_BSKH), groups, axis=2)
   v_BTNH = jnp.repeat(pad(v_BSKH), groups, axis=2)
   segment_ids_BT = jnp.pad(spec.query_segment_ids, ((0, 0), (0, padded - length)))

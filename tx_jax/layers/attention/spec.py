@@ -68,6 +68,10 @@ class AttentionSpec:
   # Query i is key i (self-attention over the whole sequence, indices 0..T-1): kernels
   # that take one segment-id array and index causality (Pallas GPU) need this.
   same_tokens: bool = flax.struct.field(pytree_node=False, default=False)
+  # False promises one segment per row followed only by padding (ids 1..1 0..0), for queries
+  # and keys alike, so kernels that take lengths (cuDNN) need no mask; ids are data, so the
+  # promise comes from the config (data.pack). True (the safe default) makes no promise.
+  packed: bool = flax.struct.field(pytree_node=False, default=True)
 
   @classmethod
   def self_attention(
@@ -80,6 +84,7 @@ class AttentionSpec:
       bias: Bias | None = None,
       index_BT: Array | None = None,
       explicit_mask: Array | None = None,
+      packed: bool = True,
   ) -> AttentionSpec:
     """Queries and keys are the same tokens; index defaults to 0..T-1, positions to index."""
     same_tokens = index_BT is None
@@ -99,11 +104,12 @@ class AttentionSpec:
         causal=causal,
         window=window,
         same_tokens=same_tokens,
+        packed=packed,
     )
 
   @classmethod
   def cross_attention(
-      cls, query_segment_ids_BT: Array, key_segment_ids_BS: Array
+      cls, query_segment_ids_BT: Array, key_segment_ids_BS: Array, *, packed: bool = True
   ) -> AttentionSpec:
     """Encoder-decoder attention: a query sees the keys of its own segment, no causality.
 
@@ -111,7 +117,9 @@ class AttentionSpec:
     segment rule is the cross-attention mask; with all ids 1 (or 0) it is padding only.
     """
     q_index, k_index = _arange_like(query_segment_ids_BT), _arange_like(key_segment_ids_BS)
-    return cls(query_segment_ids_BT, key_segment_ids_BS, q_index, k_index, q_index, k_index)
+    return cls(
+        query_segment_ids_BT, key_segment_ids_BS, q_index, k_index, q_index, k_index, packed=packed
+    )
 
   @property
   def query_length(self) -> int:
@@ -172,6 +180,7 @@ class AttentionSpec:
       )
     return self.replace(
         same_tokens=False,
+        packed=True,  # other keys need not end where these queries' padding starts
         key_segment_ids=segment_ids_BS,
         key_index=index_BS,
         key_positions=positions_BS,
