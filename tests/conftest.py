@@ -1,6 +1,7 @@
 """Test setup: 8 fake CPU devices, so sharding code really runs sharded."""
 
 import os
+from importlib import metadata
 
 # Must happen before JAX is imported anywhere in the test session.
 # Test models are tiny: compiling them costs far more than running them, so LLVM's
@@ -15,9 +16,13 @@ import os
 # two xdist workers already keep both cores busy, and splitting a module across threads
 # only repeats per-split set-up (a T5 tiny train step: 4.1-4.5 -> 3.6-3.7 CPU-seconds).
 # TX_JAX_TEST_FAST_COMPILE=0 keeps XLA's defaults.
+# Newer jaxlibs (0.12.1 at least) refuse the emitter flag, and an unknown XLA flag aborts;
+# the flag is only asked of the jaxlib the lock pins and its kin.
+_EMITTER_FLAG = tuple(int(p) for p in metadata.version("jaxlib").split(".")[:2]) < (0, 11)
 _FAST_COMPILE = (
     "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-    "--xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1"
+    + ("--xla_cpu_use_fusion_emitters=false " if _EMITTER_FLAG else "")
+    + "--xla_cpu_parallel_codegen_split_count=1"
 )
 # `jax.jit(compiler_options=...)` that restore XLA's defaults for one program: a test that
 # runs a step hundreds of times (tests/train/test_overfit.py) gains more from optimised code
@@ -26,7 +31,7 @@ _FAST_COMPILE = (
 XLA_DEFAULT_LEVEL = {
     "xla_backend_optimization_level": 2,
     "xla_llvm_disable_expensive_passes": False,
-    "xla_cpu_use_fusion_emitters": True,
+    **({"xla_cpu_use_fusion_emitters": True} if _EMITTER_FLAG else {}),
 }
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]
