@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from tx_jax.layers import axes, ops
 from tx_jax.layers.attention import AttentionSpec, MultiHeadAttention
+from tx_jax.layers.lora import LoraSpec
 from tx_jax.layers.mlp import GatedMlp, Mlp
 from tx_jax.layers.norms import NormSpec, make_norm, residual
 
@@ -52,6 +53,7 @@ class LayerSpec:
   attention_backend: str = "dense"
   fused_qkv: bool = False  # self-attention from stacked q, k, v kernels (MultiHeadAttention)
   kernels: str = ops.PLAIN  # the `layers.ops` kernel set of every projection and attention
+  lora: LoraSpec | None = None  # low-rank adapters on the projections its targets name
   cross_attention: bool = False
   kernel_init: Any = nn.initializers.lecun_normal()
   output_init: Any = None
@@ -94,6 +96,7 @@ class TransformerLayer(nn.Module):
           dtype=s.dtype,
           param_dtype=s.param_dtype,
           kernels=s.kernels,
+          lora=s.lora,
           name=name,
       )
 
@@ -134,6 +137,7 @@ class TransformerLayer(nn.Module):
         dtype=s.dtype,
         param_dtype=s.param_dtype,
         kernels=s.kernels,
+        lora=s.lora,
         name="mlp",
     )
     x_BTD = residual(
