@@ -18,7 +18,7 @@ from typing import Any, Mapping
 import jax
 import ml_collections
 
-from tx_jax import checkpoint, hf, models
+from tx_jax import checkpoint, hf, lora, models
 from tx_jax.data import hf_tokenizer, tokenizers
 
 CONFIG_FILE = "config.json"
@@ -274,7 +274,9 @@ def import_hf(
 
   config, _, params = from_hf_dir(hf_dir)
   if base is not None:
+    adapters = base.model.lora.to_dict()  # LoRA is the run's choice, not the HF model's
     base.model = config.model
+    base.model.lora.update(adapters)
     base.data.update(hf_data_fields(hf_dir, config.model.family))
     config = base
     if check is not None:
@@ -289,6 +291,8 @@ def import_hf(
     elif config.data.tokenizer == "sentencepiece":
       config.data.spm_model_path = str(path / TOKENIZER_DIR / "spiece.model")
   iterator = data.build_train_iterator(config) if config.data.tokenizer != "none" else None
+  if config.model.lora.rank > 0:
+    params = lora.attach(config.model, params, config.seed)
   return save_step0(config, params, path, iterator)
 
 
@@ -307,6 +311,8 @@ def export_hf(
 ) -> tuple[Any, int]:
   """A workdir's checkpoint -> an HF directory with its special ids and tokenizer files.
 
+  LoRA adapters are merged into the weights, so transformers loads it without PEFT.
+
   Returns (the architecture written, the step exported).
   """
   config, params, step = load(path, step)
@@ -323,7 +329,10 @@ def export_hf(
       )
       if value is not None
   }
-  arch = hf.to_pretrained(config, params, out, hf_config=hf_config)
+  model = config
+  if config.model.lora.rank > 0:  # a plain HF model: the adapters folded into the kernels
+    model, params = lora.merge(config.model, params)
+  arch = hf.to_pretrained(model, params, out, hf_config=hf_config)
   source = _tokenizer_source(config)
   if source is not None:
     copied = copy_tokenizer_files(source, out)
