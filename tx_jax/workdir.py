@@ -342,6 +342,8 @@ def export_peft(
   """A LoRA workdir's adapters as a PEFT directory; (PEFT modules written, the step)."""
   config, params, step = load(path, step)
   mc = models.ModelConfig.from_config(config.model)
+  if not mc.lora.enabled:
+    raise hf.ConversionError(f"{path} has no LoRA adapters (config.model.lora.rank=0)")
   params = models.unstack_layers(nn.unbox(jax.device_get(params)))
   flat = traverse_util.flatten_dict(params, sep="/")
   return peft.to_peft(mc, hf.architecture_for(mc), flat, out), step
@@ -358,11 +360,12 @@ def _tokenizer_source(config: ml_collections.ConfigDict) -> pathlib.Path | None:
 
 
 def export_hf(
-    path: str | pathlib.Path, out: str | pathlib.Path, step: int | None = None
+    path: str | pathlib.Path, out: str | pathlib.Path, step: int | None = None, merge: bool = False
 ) -> tuple[Any, int]:
   """A workdir's checkpoint -> an HF directory with its special ids and tokenizer files.
 
-  LoRA adapters are merged into the weights, so transformers loads it without PEFT.
+  A LoRA workdir needs `merge`: the adapters folded into the weights, which transformers
+  then loads without PEFT.
 
   Returns (the architecture written, the step exported).
   """
@@ -381,7 +384,12 @@ def export_hf(
       if value is not None
   }
   model = config
-  if config.model.lora.rank > 0:  # a plain HF model: the adapters folded into the kernels
+  if config.model.lora.rank > 0:
+    if not merge:
+      raise hf.ConversionError(
+          f"{path} holds LoRA adapters (config.model.lora.rank={config.model.lora.rank}): add "
+          "--merge to fold them into the weights, or write them with --to_peft"
+      )
     model, params = lora.merge(config.model, params)
   arch = hf.to_pretrained(model, params, out, hf_config=hf_config)
   source = _tokenizer_source(config)
