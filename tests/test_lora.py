@@ -176,3 +176,49 @@ def test_optimizer_state_of_full_finetuning_is_larger():
   n_full = sum(x.size for x in jax.tree.leaves(models.abstract_params(full.model)))
   assert sizes[1] == 2 * n_full
   assert sizes[0] < sizes[1] / 10
+
+
+@pytest.mark.slow
+def test_lora_run_resumes_bitwise(tmp_path, capsys):
+  """Trainer runs: 3 steps, then resumed to 6, equal 6 uninterrupted steps bit for bit."""
+  from tests.train import runs  # pylint: disable=g-import-not-at-top
+
+  corpus = runs.write_corpus(tmp_path / "corpus.txt")
+  config = gpt.get_config("tiny")
+  flags = runs.tiny_gpt_flags(corpus, tmp_path, steps=6, **{"checkpoint.every": 3})
+  for flag in flags[2:]:
+    key, value = flag[len("--config.") :].split("=", 1)
+    section, field = key.split(".")
+    config[section][field] = type(config[section][field])(value) if value != "False" else False
+  config.model.lora.update(rank=4, dropout=0.1, targets=("qkv", "mlp_down"))
+  config.mesh.cpu_devices = 0
+  config.schedule.warmup_steps, config.schedule.decay_steps = 2, 6  # one schedule for all runs
+
+  def train(workdir, steps):
+    c = config.copy_and_resolve_references()
+    c.train.steps = steps
+    loop.train_and_evaluate(c, workdir)
+
+  train(tmp_path / "full", 6)
+  train(tmp_path / "resumed", 3)
+  capsys.readouterr()
+  train(tmp_path / "resumed", 6)
+  assert "resumed from step 3" in capsys.readouterr().out  # not a second run from scratch
+  full, resumed = (jax.tree.leaves(_saved_state(tmp_path / run, 6)) for run in ("full", "resumed"))
+  assert len(full) == len(resumed) and len(full) > 10
+  assert all(a.tobytes() == b.tobytes() for a, b in zip(full, resumed))
+
+
+def _saved_state(workdir, step):
+  """The state saved at `step`, as numpy (adapters, their moments, the frozen base)."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  path = workdir / "checkpoints" / str(step) / "state"
+  checkpointer = ocp.PyTreeCheckpointer()
+  saved = checkpointer.metadata(path).item_metadata.tree
+  as_numpy = jax.tree.map(
+      lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
+      saved,
+      is_leaf=lambda x: isinstance(x, ocp.metadata.ArrayMetadata),
+  )
+  return checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
