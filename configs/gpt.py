@@ -122,12 +122,13 @@ def lora_shakespeare() -> ml_collections.ConfigDict:
   """LoRA fine-tuning of a converted GPT-2-style model on Tiny Shakespeare (README's recipe).
 
   Give it to `experiments.convert --from_hf DIR --config=...`: the model, tokenizer and ids come
-  from DIR, this preset adds model.lora (rank 8 on c_attn, PEFT's default GPT-2 target) and the
-  data and training sections. Only the adapters train, so the rate is LoRA's usual 1e-3 order.
+  from DIR, this preset adds model.lora (rank 8 on every projection of the blocks: GPT-2's
+  c_attn, c_proj and c_fc) and the data and training sections.
   """
   config = tiny_shakespeare()
-  config.model.lora.update(rank=8, alpha=16.0, dropout=0.05, targets=("qkv",))
-  config.optimizer.learning_rate, config.optimizer.weight_decay = 2e-3, 0.0
+  targets = ("qkv", "output", "mlp_up", "mlp_down")
+  config.model.lora.update(rank=8, alpha=16.0, dropout=0.05, targets=targets)
+  config.optimizer.learning_rate, config.optimizer.weight_decay = 5e-3, 0.0
   config.schedule.warmup_steps = 20
   config.train.steps, config.train.eval_every, config.train.log_every = 300, 100, 50
   config.train.eval_batches = 20

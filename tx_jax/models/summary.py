@@ -99,11 +99,8 @@ def describe(config: Any, params: Any | None = None) -> str:
   flops = flops_per_token(model_config, counts, seq_len, target_len)
   param_bytes = counts.bytes
   params = abstract_params(model_config) if params is None else params
-  trainable = sum(
-      int(np.prod(p.shape))
-      for p, t in zip(jax.tree.leaves(params), jax.tree.leaves(trainable_mask(params, model_config.lora)))
-      if t
-  )
+  mask = jax.tree.leaves(trainable_mask(params, model_config.lora))
+  trainable = sum(int(np.prod(p.shape)) for p, t in zip(jax.tree.leaves(params), mask) if t)
   adam_bytes = 2 * trainable * 4  # AdamW keeps two float32 moments per trained parameter
   lines = [
       f"model: {model_config.family}  layers={model_config.num_layers}"
@@ -123,6 +120,7 @@ def describe(config: Any, params: Any | None = None) -> str:
       f"parameter memory: {param_bytes / 2**20:,.1f} MiB ({model_config.param_dtype}); "
       f"with AdamW moments: {(param_bytes + adam_bytes) / 2**20:,.1f} MiB",
       f"params: {counts.backbone}",
-      f"trainable params: {trainable:,} of {counts.total:,} ({100 * trainable / counts.total:.3g}%)",
+      f"trainable params: {trainable:,} of {counts.total:,} "
+      f"({100 * trainable / counts.total:.3g}%)",
   ]
   return "\n".join(lines)
