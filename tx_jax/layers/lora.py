@@ -2,8 +2,9 @@
 
 A LoRA projection computes x·W + (alpha/rank)·dropout(x)·A·B with A [*in, r] and B [r, *out],
 B zero at init, so the base model's output is unchanged until B trains. `Linear` owns the
-adapter params; this module says which Linears take one (`LoraSpec.applies_to`) and computes
-the low-rank term, so the model files only pass the spec down.
+adapter params and computes the term; this module says which Linears take one
+(`LoraSpec.applies_to`), how A and B are named, boxed and drawn, and which params train
+(`trainable_mask`), so the model files only pass the spec down.
 """
 
 from __future__ import annotations
