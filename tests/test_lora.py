@@ -55,8 +55,13 @@ def _with_lora(config, targets, rank=4, **lora):
   return config
 
 
+def _slow_after(cases, fast: int):
+  """Tuple cases, the first `fast` in the fast tier and the rest marked slow (tests/tiers.py)."""
+  return list(cases[:fast]) + [pytest.param(*c, marks=pytest.mark.slow) for c in cases[fast:]]
+
+
 CASES = [
-    ("gpt", {}, ("query", "value", "output", "mlp_up", "mlp_down")),
+    ("gpt", {"fused_qkv": False}, ("query", "value", "output", "mlp_up", "mlp_down")),
     ("gpt", {"fused_qkv": True, "scan_layers": True}, ("qkv",)),
     ("llama", {"attention_backend": "blockwise"}, ("query", "key", "mlp_gate", "lm_head")),
     ("bert", {}, ("query", "value")),
@@ -64,7 +69,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,model,targets", CASES, ids=lambda c: str(c))
+# The fast tier keeps the GPT cases (scan off and on); every family runs in the whole suite.
+@pytest.mark.parametrize("name,model,targets", _slow_after(CASES, 2), ids=str)
 def test_step0_is_the_base_model(name, model, targets):
   """B starts at zero, so the adapted model's logits are the base model's, bit for bit."""
   base = _tiny(name, **model)
@@ -140,7 +146,9 @@ def _train_one_step(config):
   return jax.device_get(state0), jax.device_get(state2)
 
 
-@pytest.mark.parametrize("name,scan", [("gpt", False), ("gpt", True), ("t5", False)])
+@pytest.mark.parametrize(
+    "name,scan", _slow_after([("gpt", True), ("gpt", False), ("t5", False)], 1)
+)
 def test_only_adapters_and_also_train_change(name, scan):
   """AdamW (gpt) and Adafactor (t5's preset), layers unrolled and scanned."""
   targets = ("qkv", "mlp_down") if name == "gpt" else ("query", "value", "mlp_down")

@@ -13,6 +13,7 @@ import pytest
 from flax import traverse_util
 
 from tests import hf_models
+from tests.tiers import slow_except
 from tx_jax import hf, lora, models, workdir
 from tx_jax.interop import peft as peft_io
 
@@ -54,7 +55,7 @@ def _tx_logits(model_cfg, params):
   return np.asarray(models.build(model_cfg).apply({"params": params}, IDS))
 
 
-@pytest.fixture(scope="module", params=["gpt2", "llama"])
+@pytest.fixture(scope="module", params=slow_except(["gpt2", "llama"], "gpt2"))
 def family_dir(request, tmp_path_factory):
   path = tmp_path_factory.mktemp(request.param) / "hf"
   hf_models.save_model(request.param, path, with_tokenizer=False, scale=0.1)
