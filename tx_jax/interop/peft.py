@@ -69,6 +69,11 @@ def to_peft(
   directory. Returns the PEFT module names written."""
   if not mc.lora.enabled:
     raise ConversionError("the workdir has no LoRA adapters (config.model.lora.rank=0)")
+  if mc.lora.also_train:
+    raise ConversionError(
+        f"config.model.lora.also_train={list(mc.lora.also_train)} trained base params that a "
+        "PEFT LoRA adapter does not hold; export the whole model with --to_hf --merge"
+    )
   names, r = _modules(arch, mc), mc.lora.rank
   tensors = {}
   for module in sorted({k.rsplit("/", 1)[0] for k in params if k.endswith("/lora_a")}):
