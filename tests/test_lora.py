@@ -234,3 +234,14 @@ def _saved_state(workdir, step):
       is_leaf=lambda x: isinstance(x, ocp.metadata.ArrayMetadata),
   )
   return checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
+
+
+def test_to_peft_refuses_a_run_that_trained_base_params(tmp_path):
+  from tx_jax import hf  # pylint: disable=g-import-not-at-top
+  from tx_jax.interop import peft  # pylint: disable=g-import-not-at-top
+
+  config = _with_lora(_tiny("gpt"), ("qkv",), also_train=("final_norm",))
+  mc = models.ModelConfig.from_config(config.model)
+  with pytest.raises(hf.ConversionError, match="also_train"):
+    peft.to_peft(mc, hf.architecture_for(mc), {}, tmp_path / "adapter")
+  assert not (tmp_path / "adapter").exists()
