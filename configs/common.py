@@ -69,7 +69,24 @@ def model_config() -> ml_collections.ConfigDict:
   m.fused_qkv = False
   m.scan_layers = False  # nn.scan over layers: one compiled layer, params stacked
   m.remat_policy = "none"  # rematerialisation: "none", "full", "dots", "dots_no_batch"
+  m.lora = lora_config()
   return m
+
+
+def lora_config() -> ml_collections.ConfigDict:
+  """`config.model.lora`: low-rank adapters (tx_jax/layers/lora.py); rank 0 = off."""
+  c = ml_collections.ConfigDict()
+  c.rank = 0  # adapter rank r; 0 = no LoRA (every param trains)
+  c.alpha = 16.0  # the adapter's output is scaled by alpha / rank (PEFT's lora_alpha)
+  c.dropout = 0.0  # dropout on the adapter's input, in training only (PEFT's lora_dropout)
+  # Projections to adapt: "query", "key", "value", "output", "qkv" (fused_qkv's stacked
+  # kernels), "mlp_up", "mlp_gate", "mlp_down", "lm_head" (untied), or regexes on module
+  # paths such as "layer_0/self_attention/query"
+  c.targets = ("query", "value")
+  # With LoRA on, only the adapters train; these regexes on param paths train in full too
+  # (e.g. "norm", "classifier")
+  c.also_train = ()
+  return c
 
 
 def base_config() -> ml_collections.ConfigDict:

@@ -117,6 +117,24 @@ def tiny_shakespeare() -> ml_collections.ConfigDict:
   return config
 
 
+def lora_shakespeare() -> ml_collections.ConfigDict:
+  """LoRA fine-tuning of a converted GPT-2-style model on Tiny Shakespeare (README's recipe).
+
+  Give it to `experiments.convert --from_hf DIR --config=...`: the model, tokenizer and ids come
+  from DIR, this preset adds model.lora (rank 8 on every projection of the blocks: GPT-2's
+  c_attn, c_proj and c_fc) and the data and training sections.
+  """
+  config = tiny_shakespeare()
+  targets = ("qkv", "output", "mlp_up", "mlp_down")
+  config.model.lora.update(rank=8, alpha=16.0, dropout=0.05, targets=targets)
+  config.optimizer.learning_rate, config.optimizer.weight_decay = 5e-3, 0.0
+  config.schedule.warmup_steps = 20
+  config.train.steps, config.train.eval_every, config.train.log_every = 300, 100, 50
+  config.train.eval_batches = 20
+  config.checkpoint.every = 100
+  return config
+
+
 def tiny() -> ml_collections.ConfigDict:
   """A GPT-2-style byte-level model that trains on 2 CPU cores in minutes."""
   config = _gpt2(d_model=128, num_layers=4, num_heads=4)
@@ -161,6 +179,7 @@ PRESETS = {
     "llama-tiny": llama_tiny,
     "tiny": tiny,
     "tiny-shakespeare": tiny_shakespeare,
+    "lora-shakespeare": lora_shakespeare,
 }
 
 

@@ -59,5 +59,6 @@ def sharding_config() -> ml_collections.ConfigDict:
       (axes.RELPOS_BUCKETS, None),
       (axes.TYPE_VOCAB, None),
       (axes.POSITION, None),
+      (axes.LORA_RANK, None),
   ]
   return c

@@ -174,6 +174,7 @@ def setup(root: pathlib.Path) -> None:
   (root / "hf_bin").mkdir()
   (root / "hf_bin" / "config.json").write_text((hf_dir / "config.json").read_text())
   (root / "hf_bin" / "pytorch_model.bin").write_bytes(b"not unpickled")
+  _peft_dirs(root, hf_dir)
   (root / "hf_badjson").mkdir()
   (root / "hf_badjson" / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"],')
   (root / "badjson").mkdir()
@@ -183,6 +184,35 @@ def setup(root: pathlib.Path) -> None:
   (root / "empty.txt").write_text("")
   (root / "blank_line.txt").write_text("ein Hund\n\nzwei Katzen\n")
   (root / "input.txt").write_text("ein Hund\n")
+
+
+def _peft_dirs(root: pathlib.Path, hf_dir: pathlib.Path) -> None:
+  """PEFT adapters that do not fit hf_gpt2 (d_model 32, one layer), written without PEFT, and a
+  LoRA workdir converted from it."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+
+  from configs import common  # pylint: disable=g-import-not-at-top
+  from tx_jax import workdir  # pylint: disable=g-import-not-at-top
+
+  def adapter(name, module, a_shape, b_shape, base=None):
+    (root / name).mkdir()
+    config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": [module],
+              "base_model_name_or_path": base}  # fmt: skip
+    (root / name / "adapter_config.json").write_text(json.dumps(config))
+    prefix = f"base_model.model.{module}"
+    save_file(
+        {f"{prefix}.lora_A.weight": np.ones(a_shape, np.float32),
+         f"{prefix}.lora_B.weight": np.ones(b_shape, np.float32)},
+        str(root / name / "adapter_model.safetensors"),
+    )  # fmt: skip
+
+  adapter("peft_llama", "model.layers.0.self_attn.q_proj", (2, 32), (32, 2))
+  adapter("peft_narrow", "transformer.h.0.attn.c_attn", (2, 24), (72, 2))
+  adapter("peft_other_base", "transformer.h.0.attn.c_attn", (2, 32), (96, 2), "/models/gpt2-xl")
+  config = common.base_config()
+  config.model.lora.update(rank=2, targets=("qkv",))
+  workdir.import_hf(hf_dir, root / "lora_run", config)
 
 
 if __name__ == "__main__":

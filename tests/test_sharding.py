@@ -16,6 +16,7 @@ from configs import sharding_rules
 from tests.models.variants import VARIANTS
 from tx_jax import models, sharding
 from tx_jax.layers import axes
+from tx_jax.layers.lora import LoraSpec
 from tests.tiers import slow_except
 
 VOCAB, EMBED, HEADS, HEAD_DIM, MLP, BATCH, LEN = 32, 16, 4, 4, 32, 8, 4
@@ -157,9 +158,12 @@ def _names_the_models_use(monkeypatch) -> set[str]:
 
   monkeypatch.setattr(nn, "with_logical_constraint", recording)
   # Learned positions (gpt2, bert), GQA + RoPE (llama), type embeddings (bert), relative
-  # buckets and cross-attention (t5); scanned, so the stacked "layers" axis appears too.
+  # buckets and cross-attention (t5); scanned, so the stacked "layers" axis appears too; LoRA
+  # adapters on every projection of t5, so their rank axis too.
+  every = LoraSpec(rank=1, targets=(".",))
   for name in ("gpt2", "llama", "bert", "t5"):
-    config = dataclasses.replace(VARIANTS[name], scan_layers=True)
+    lora = every if name == "t5" else LoraSpec()
+    config = dataclasses.replace(VARIANTS[name], scan_layers=True, lora=lora)
     boxed = models.abstract_params(config, boxed=True)
     boxes = jax.tree_util.tree_leaves(boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
     assert boxes and all(isinstance(box, nn.Partitioned) for box in boxes), name

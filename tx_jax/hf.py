@@ -248,6 +248,16 @@ def from_pretrained(
   return config, module, _load_params(arch, mc, weights, str(path))
 
 
+def architecture_for(mc: ModelConfig) -> Architecture:
+  """The HF class that expresses a tx_jax model (its rules name PEFT's modules too)."""
+  return _architecture_for(mc)
+
+
+def stack_layers(flat: dict[str, Any]) -> dict[str, Any]:
+  """Unrolled `stack/layer_{i}/...` params (flat "a/b/c") as scan_layers stacks them."""
+  return _stack_layers(flat)
+
+
 def _architecture_for(mc: ModelConfig) -> Architecture:
   """The HF class that expresses a tx_jax model, by family and position scheme / head."""
   if mc.family == "decoder" and mc.positions in ("learned", "rope"):

@@ -220,12 +220,13 @@ def train_config(
   """
   import jax  # pylint: disable=g-import-not-at-top
 
-  from tx_jax import data, models, sharding  # pylint: disable=g-import-not-at-top
+  from tx_jax import data, lora, models, sharding  # pylint: disable=g-import-not-at-top
   from tx_jax.train import optimizers  # pylint: disable=g-import-not-at-top
 
   train_section(config)
   optimizers.validate(config.optimizer)
   models.ModelConfig.from_config(config.model)  # validates every model field
+  lora.check_targets(config.model)
   num_processes = jax.process_count() if num_processes is None else num_processes
   data.validate(config.data, num_processes)
   family_and_task(config)
@@ -363,10 +364,14 @@ def workdir_matches(config: ml_collections.ConfigDict, workdir: str | pathlib.Pa
       config.model.max_len
   ):
     fields.append("max_len")
-  if fields:
-    differences = "; ".join(
-        f"model.{f}={saved[f]!r}, the config says {config.model[f]!r}" for f in fields[:4]
-    )
+  differences = [f"model.{f}={saved[f]!r}, the config says {config.model[f]!r}" for f in fields]
+  lora, saved_lora = config.model.lora, saved.get("lora", {})
+  for f in ("rank", "targets") if lora.rank > 0 or saved_lora.get("rank", 0) > 0 else ():
+    ours, theirs = lora[f], saved_lora.get(f)
+    if (list(ours) if f == "targets" else ours) != theirs:  # JSON holds the tuple as a list
+      differences.append(f"model.lora.{f}={theirs!r}, the config says {ours!r}")
+  if differences:
+    differences = "; ".join(differences[:4])
     raise ValueError(
         f"--workdir={workdir} holds checkpoints of another model ({differences}); resume it "
         f"with --config=configs/workdir.py:{workdir}, or train this config in another --workdir"

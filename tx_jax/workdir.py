@@ -15,10 +15,14 @@ import pathlib
 import shutil
 from typing import Any, Mapping
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import ml_collections
+from flax import traverse_util
 
-from tx_jax import checkpoint, hf, models
+from tx_jax import checkpoint, hf, lora, models
+from tx_jax.interop import peft
 from tx_jax.data import hf_tokenizer, tokenizers
 
 CONFIG_FILE = "config.json"
@@ -265,6 +269,7 @@ def import_hf(
     path: str | pathlib.Path,
     base: ml_collections.ConfigDict | None = None,
     check: Any = None,
+    peft_dir: str | pathlib.Path | None = None,
 ) -> pathlib.Path:
   """An HF directory -> a step-0 workdir keeping its tokenizer files and special ids.
 
@@ -276,8 +281,14 @@ def import_hf(
   from tx_jax import data  # pylint: disable=import-outside-toplevel
 
   config, _, params = from_hf_dir(hf_dir)
+  adapters = None
+  if peft_dir is not None:  # the adapter's LoRA settings replace the config's
+    lora_fields, adapters = _read_peft(config, hf_dir, peft_dir)
+    (base or config).model.lora.update(lora_fields)
   if base is not None:
+    run_lora = base.model.lora.to_dict()  # LoRA is the run's choice, not the HF model's
     base.model = config.model
+    base.model.lora.update(run_lora)
     base.data.update(hf_data_fields(hf_dir, config.model.family))
     config = base
     if check is not None:
@@ -292,7 +303,53 @@ def import_hf(
     elif config.data.tokenizer == "sentencepiece":
       config.data.spm_model_path = str(path / TOKENIZER_DIR / "spiece.model")
   iterator = data.build_train_iterator(config) if config.data.tokenizer != "none" else None
+  if adapters is not None:
+    params = _with_adapters(config.model, params, adapters)
+  elif config.model.lora.rank > 0:
+    params = lora.attach(config.model, params, config.seed)
   return save_step0(config, params, path, iterator)
+
+
+def _read_peft(config, hf_dir, peft_dir) -> tuple[dict[str, Any], dict[str, Any]]:
+  """(config.model.lora fields, flat unrolled adapters) of a PEFT directory for the HF base."""
+  values = peft.read_config(peft_dir)
+  recorded = values.get("base_model_name_or_path")
+  if recorded and pathlib.PurePath(recorded).name != pathlib.Path(hf_dir).absolute().name:
+    raise hf.ConversionError(
+        f"--from_peft={peft_dir} was trained on base_model_name_or_path={recorded!r}, not on "
+        f"--from_hf={hf_dir}; give the base it names"
+    )
+  mc = lora.base_config(config.model)
+  return peft.from_peft(mc, hf.architecture_for(mc), peft_dir)
+
+
+def _with_adapters(model_cfg: Any, params: Any, adapters: dict[str, Any]) -> Any:
+  """The base params plus adapters read from PEFT (unrolled), stacked as the model scans."""
+  mc = models.ModelConfig.from_config(model_cfg)
+  lora.check_targets(mc)
+  flat = traverse_util.flatten_dict(params, sep="/")
+  flat.update({k: jnp.asarray(v, mc.storage_dtype) for k, v in adapters.items()})
+  if mc.scan_layers:
+    flat = hf.stack_layers(flat)
+  shapes = traverse_util.flatten_dict(models.abstract_params(mc), sep="/")
+  if set(shapes) != set(flat):
+    raise hf.ConversionError(
+        f"the PEFT adapters do not fit this model: {sorted(set(shapes) ^ set(flat))[:4]}"
+    )
+  return traverse_util.unflatten_dict(flat, sep="/")
+
+
+def export_peft(
+    path: str | pathlib.Path, out: str | pathlib.Path, step: int | None = None
+) -> tuple[list[str], int]:
+  """A LoRA workdir's adapters as a PEFT directory; (PEFT modules written, the step)."""
+  config, params, step = load(path, step)
+  mc = models.ModelConfig.from_config(config.model)
+  if not mc.lora.enabled:
+    raise hf.ConversionError(f"{path} has no LoRA adapters (config.model.lora.rank=0)")
+  params = models.unstack_layers(nn.unbox(jax.device_get(params)))
+  flat = traverse_util.flatten_dict(params, sep="/")
+  return peft.to_peft(mc, hf.architecture_for(mc), flat, out), step
 
 
 def _tokenizer_source(config: ml_collections.ConfigDict) -> pathlib.Path | None:
@@ -306,9 +363,12 @@ def _tokenizer_source(config: ml_collections.ConfigDict) -> pathlib.Path | None:
 
 
 def export_hf(
-    path: str | pathlib.Path, out: str | pathlib.Path, step: int | None = None
+    path: str | pathlib.Path, out: str | pathlib.Path, step: int | None = None, merge: bool = False
 ) -> tuple[Any, int]:
   """A workdir's checkpoint -> an HF directory with its special ids and tokenizer files.
+
+  A LoRA workdir needs `merge`: the adapters folded into the weights, which transformers
+  then loads without PEFT.
 
   Returns (the architecture written, the step exported).
   """
@@ -326,7 +386,15 @@ def export_hf(
       )
       if value is not None
   }
-  arch = hf.to_pretrained(config, params, out, hf_config=hf_config)
+  model = config
+  if config.model.lora.rank > 0:
+    if not merge:
+      raise hf.ConversionError(
+          f"{path} holds LoRA adapters (config.model.lora.rank={config.model.lora.rank}): add "
+          "--merge to fold them into the weights, or write them with --to_peft"
+      )
+    model, params = lora.merge(config.model, params)
+  arch = hf.to_pretrained(model, params, out, hf_config=hf_config)
   source = _tokenizer_source(config)
   if source is not None:
     copied = copy_tokenizer_files(source, out)

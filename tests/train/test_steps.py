@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from configs import train_defaults
+from configs import common, train_defaults
 from tests.train import standin
 from tx_jax.train import optimizers, state as state_lib, steps
 
@@ -22,7 +22,7 @@ def _config(**optimizer):
           "optimizer": train_defaults.optimizer_config(),
           "schedule": train_defaults.schedule_config(),
           "loss": train_defaults.loss_config(),
-          "model": {"d_model": 16},
+          "model": {"d_model": 16, "lora": common.lora_config()},
       }
   )
   c.schedule.name, c.schedule.warmup_steps = "constant", 0

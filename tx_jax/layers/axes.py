@@ -23,6 +23,7 @@ LAYERS = "layers"  # the leading axis of scanned (stacked) layer parameters
 RELPOS_BUCKETS = "relpos_buckets"
 TYPE_VOCAB = "type_vocab"
 POSITION = "position"
+LORA_RANK = "lora_rank"  # a LoRA adapter's rank: small, so replicated
 PARAM_AXES = (
     VOCAB,
     EMBED,
@@ -35,6 +36,7 @@ PARAM_AXES = (
     RELPOS_BUCKETS,
     TYPE_VOCAB,
     POSITION,
+    LORA_RANK,
 )
 
 # Activation axes, by shape letter.

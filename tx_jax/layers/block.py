@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from tx_jax.layers import axes, ops
 from tx_jax.layers.attention import AttentionSpec, MultiHeadAttention
+from tx_jax.layers.lora import LoraSpec
 from tx_jax.layers.mlp import GatedMlp, Mlp
 from tx_jax.layers.norms import NormSpec, make_norm, residual
 
@@ -53,6 +54,7 @@ class LayerSpec:
   blockwise_blocks: tuple[int, int] = (512, 512)  # `blockwise` backend's (query, key) blocks
   fused_qkv: bool = False  # self-attention from stacked q, k, v kernels (MultiHeadAttention)
   kernels: str = ops.PLAIN  # the `layers.ops` kernel set of every projection and attention
+  lora: LoraSpec | None = None  # low-rank adapters on the projections its targets name
   cross_attention: bool = False
   kernel_init: Any = nn.initializers.lecun_normal()
   output_init: Any = None
@@ -96,6 +98,7 @@ class TransformerLayer(nn.Module):
           dtype=s.dtype,
           param_dtype=s.param_dtype,
           kernels=s.kernels,
+          lora=s.lora,
           name=name,
       )
 
@@ -136,6 +139,7 @@ class TransformerLayer(nn.Module):
         dtype=s.dtype,
         param_dtype=s.param_dtype,
         kernels=s.kernels,
+        lora=s.lora,
         name="mlp",
     )
     x_BTD = residual(

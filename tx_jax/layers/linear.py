@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tx_jax.layers import lora as lora_lib
 from tx_jax.layers import ops
 
 Array = jnp.ndarray
@@ -34,9 +35,13 @@ class Linear(nn.Module):
   dtype: jnp.dtype = jnp.float32  # compute
   param_dtype: jnp.dtype = jnp.float32  # storage
   kernels: str = ops.PLAIN  # which `layers.ops` kernel set multiplies
+  # Low-rank adapters "lora_a" [*in, r] and "lora_b" [r, *features] when the spec's targets
+  # select this module's path (layers/lora.py); None or rank 0: a plain projection.
+  lora: lora_lib.LoraSpec | None = None
 
   @nn.compact
-  def __call__(self, x: Array) -> Array:
+  def __call__(self, x: Array, *, train: bool = False) -> Array:
+    """x [..., *in] -> [..., *features]; `train` turns on the adapter's input dropout."""
     features = (self.features,) if isinstance(self.features, int) else tuple(self.features)
     if len(self.axes) != self.in_dims + len(features):
       raise ValueError(
@@ -63,9 +68,48 @@ class Linear(nn.Module):
           features,
           self.param_dtype,
       )
+    adapter = None
+    # A top-level Linear (tests, tools) has an empty scope path: its name is its path.
+    path = "/".join(self.scope.path) or (self.name or "")
+    if self.lora is not None and self.lora.applies_to(path):
+      adapter = self._adapter(in_shape, features, flat)
     x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
-    y = ops.get(self.kernels).project(x, kernel, self.in_dims)
+    kernels = ops.get(self.kernels)
+    y = kernels.project(x, kernel, self.in_dims)
+    if adapter is not None:
+      x_in = nn.Dropout(self.lora.dropout)(x, deterministic=not train)
+      a, b = nn.dtypes.promote_dtype(*adapter, dtype=self.dtype)
+      # x·A first: the [..., r] intermediate is what makes the adapter cheap.
+      h = kernels.project(kernels.project(x_in, a, self.in_dims), b, 1)
+      y = y + h * jnp.asarray(self.lora.scale, h.dtype)
     return y if bias is None else y + bias
+
+  def _adapter(self, in_shape, features, flat) -> tuple[Array, Array]:
+    """(A [*in, r], B [r, *features]): A as PEFT draws it, B zero so step 0 is the base."""
+    rank = self.lora.rank
+    if rank > min(flat):
+      raise ValueError(
+          f"config.model.lora.rank={rank} is larger than projection {self.name} "
+          f"[{flat[0]} -> {flat[1]}]; use a rank <= {min(flat)}"
+      )
+    a_axes, b_axes = lora_lib.adapter_axes(self.axes, self.in_dims)
+
+    def init_a(rng, shape, dtype=jnp.float32):
+      return jnp.reshape(lora_lib.init_a(rng, (flat[0], rank), dtype), shape)
+
+    a = self.param(
+        "lora_a",
+        nn.with_logical_partitioning(init_a, a_axes),
+        in_shape + (rank,),
+        self.param_dtype,
+    )
+    b = self.param(
+        "lora_b",
+        nn.with_logical_partitioning(nn.initializers.zeros, b_axes),
+        (rank,) + features,
+        self.param_dtype,
+    )
+    return a, b
 
 
 def stacked_init(init: nn.initializers.Initializer, parts: int) -> nn.initializers.Initializer:

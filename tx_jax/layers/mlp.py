@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from tx_jax.layers import axes, ops
 from tx_jax.layers.linear import Linear
+from tx_jax.layers.lora import LoraSpec
 
 Array = jnp.ndarray
 
@@ -39,17 +40,19 @@ class _FeedForward(nn.Module):
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
   kernels: str = ops.PLAIN  # which `layers.ops` kernel set multiplies
+  lora: LoraSpec | None = None  # low-rank adapters on the projections its targets name
 
-  def _up(self, x_BTD: Array, name: str) -> Array:
+  def _up(self, x_BTD: Array, name: str, train: bool) -> Array:
     """[B,T,D] -> [B,T,F] through the kernel `name` (logical axes embed x mlp)."""
-    return self._linear(self.hidden, (axes.EMBED, axes.MLP), self.kernel_init, name)(x_BTD)
+    up = self._linear(self.hidden, (axes.EMBED, axes.MLP), self.kernel_init, name)
+    return up(x_BTD, train=train)
 
   def _down(self, h_BTF: Array, dim: int, train: bool) -> Array:
     """Constrain, drop out, then project the hidden layer back to width `dim` ("wo")."""
     h_BTF = axes.constrain(h_BTF, "BTF")
     h_BTF = nn.Dropout(self.inner_dropout_rate)(h_BTF, deterministic=not train)
     init = self.output_init or self.kernel_init
-    return self._linear(dim, (axes.MLP, axes.EMBED), init, "wo")(h_BTF)
+    return self._linear(dim, (axes.MLP, axes.EMBED), init, "wo")(h_BTF, train=train)
 
   def _linear(self, features: int, kernel_axes: tuple[str, str], init, name: str) -> Linear:
     return Linear(
@@ -60,6 +63,7 @@ class _FeedForward(nn.Module):
         dtype=self.dtype,
         param_dtype=self.param_dtype,
         kernels=self.kernels,
+        lora=self.lora,
         name=name,
     )
 
@@ -70,7 +74,7 @@ class Mlp(_FeedForward):
   @nn.compact
   def __call__(self, x_BTD: Array, *, train: bool = False) -> Array:
     act = get_activation(self.activation)
-    return self._down(act(self._up(x_BTD, "wi")), x_BTD.shape[-1], train)
+    return self._down(act(self._up(x_BTD, "wi", train)), x_BTD.shape[-1], train)
 
 
 class GatedMlp(_FeedForward):
@@ -82,5 +86,5 @@ class GatedMlp(_FeedForward):
   @nn.compact
   def __call__(self, x_BTD: Array, *, train: bool = False) -> Array:
     act = get_activation(self.activation)
-    h_BTF = act(self._up(x_BTD, "wi_0")) * self._up(x_BTD, "wi_1")
+    h_BTF = act(self._up(x_BTD, "wi_0", train)) * self._up(x_BTD, "wi_1", train)
     return self._down(h_BTF, x_BTD.shape[-1], train)

@@ -183,14 +183,17 @@ def lm_head(config: ModelConfig, name: str = "lm_head") -> Linear | None:
       dtype=config.compute_dtype,
       param_dtype=config.storage_dtype,
       kernels=config.kernels,
+      lora=config.lora if config.lora.enabled else None,
       name=name,
   )
 
 
-def output_logits(config: ModelConfig, embed: Embed, head: Linear | None, x_BTD: Array) -> Array:
+def output_logits(
+    config: ModelConfig, embed: Embed, head: Linear | None, x_BTD: Array, train: bool = False
+) -> Array:
   """Vocabulary logits in float32: tied (embed.attend, with T5's optional rescale) or a head."""
   if head is None:
     if config.tied_output_rescale:
       x_BTD = x_BTD * jnp.asarray(config.d_model**-0.5, x_BTD.dtype)
     return embed.attend(x_BTD)
-  return head(x_BTD).astype(jnp.float32)
+  return head(x_BTD, train=train).astype(jnp.float32)

@@ -14,6 +14,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from tx_jax.layers import lora as lora_lib
 from tx_jax.layers import ops
 from tx_jax.layers.attention import BACKENDS
 from tx_jax.layers.block import REMAT_POLICIES, LayerSpec
@@ -77,6 +78,7 @@ class ModelConfig:
   fused_qkv: bool = False
   scan_layers: bool = False
   remat_policy: str = "none"
+  lora: lora_lib.LoraSpec = lora_lib.LoraSpec()
 
   @classmethod
   def from_config(cls, model_cfg: Any) -> "ModelConfig":
@@ -86,6 +88,9 @@ class ModelConfig:
     unknown = sorted(set(values) - known)
     if unknown:
       raise ValueError(f"config.model has unknown fields {unknown}; accepted: {sorted(known)}")
+    lora = values.get("lora")
+    if lora is not None and not isinstance(lora, lora_lib.LoraSpec):
+      values["lora"] = lora_lib.from_dict(dict(lora))
     config = cls(**values)
     config.validate()
     return config
@@ -142,6 +147,7 @@ class ModelConfig:
         raise ValueError(f"config.model.{name}={getattr(self, name)} must be in [0, 1)")
     if self.head == "classification" and self.num_classes < 1:
       raise ValueError(f"config.model.num_classes={self.num_classes} must be >= 1")
+    lora_lib.validate(self.lora)
     if self.head != "none" and self.family != "encoder":
       raise ValueError(
           f"config.model.head={self.head!r} needs family 'encoder', " f"got {self.family!r}"
@@ -193,6 +199,7 @@ class ModelConfig:
         blockwise_blocks=(self.blockwise_block_q, self.blockwise_block_k),
         fused_qkv=self.fused_qkv,
         kernels=self.kernels,
+        lora=self.lora if self.lora.enabled else None,
         cross_attention=cross_attention,
         kernel_init=self.kernel_init(),
         dtype=self.compute_dtype,

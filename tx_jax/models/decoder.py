@@ -49,5 +49,5 @@ class Decoder(nn.Module):
     x_BTD = stack(x_BTD, self_spec=spec, positions_BT=positions, train=train, decode=decode)
     if c.pre_norm:
       x_BTD = make_norm(c.norm_spec(), "final_norm")(x_BTD)
-    logits_BTV = common.output_logits(c, embed, common.lm_head(c), x_BTD)
+    logits_BTV = common.output_logits(c, embed, common.lm_head(c), x_BTD, train)
     return axes.constrain(logits_BTV, "BTV")

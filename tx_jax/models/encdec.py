@@ -133,7 +133,7 @@ class EncoderDecoder(nn.Module):
     if c.pre_norm:
       x_BTD = self.decoder_final_norm(x_BTD)
     x_BTD = self.dropout(x_BTD, deterministic=not train)
-    logits_BTV = common.output_logits(c, self.shared_embed, self.lm_head, x_BTD)
+    logits_BTV = common.output_logits(c, self.shared_embed, self.lm_head, x_BTD, train)
     return axes.constrain(logits_BTV, "BTV")
 
   def _encoder_segments(

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tx_jax.layers.lora import trainable_mask
 from tx_jax.models import abstract_params
 from tx_jax.models.config import ModelConfig
 from tx_jax.pytree import path_str
@@ -97,7 +98,10 @@ def describe(config: Any, params: Any | None = None) -> str:
   seq_len, target_len = sequence_lengths(config)
   flops = flops_per_token(model_config, counts, seq_len, target_len)
   param_bytes = counts.bytes
-  adam_bytes = 2 * counts.total * 4  # AdamW keeps two float32 moments per parameter
+  params = abstract_params(model_config) if params is None else params
+  mask = jax.tree.leaves(trainable_mask(params, model_config.lora))
+  trainable = sum(int(np.prod(p.shape)) for p, t in zip(jax.tree.leaves(params), mask) if t)
+  adam_bytes = 2 * trainable * 4  # AdamW keeps two float32 moments per trained parameter
   lines = [
       f"model: {model_config.family}  layers={model_config.num_layers}"
       + (f"+{model_config.num_decoder_layers}" if model_config.family == "encdec" else "")
@@ -116,5 +120,7 @@ def describe(config: Any, params: Any | None = None) -> str:
       f"parameter memory: {param_bytes / 2**20:,.1f} MiB ({model_config.param_dtype}); "
       f"with AdamW moments: {(param_bytes + adam_bytes) / 2**20:,.1f} MiB",
       f"params: {counts.backbone}",
+      f"trainable params: {trainable:,} of {counts.total:,} "
+      f"({100 * trainable / counts.total:.3g}%)",
   ]
   return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""optax optimizers from config: AdamW / Adafactor, global-norm clipping, weight-decay masks."""
+"""optax optimizers from config: AdamW / Adafactor, global-norm clipping, weight-decay masks,
+and LoRA's frozen base (only the adapters and config.model.lora.also_train get state)."""
 
 import math
 import re
@@ -8,6 +9,7 @@ import jax
 import ml_collections
 import optax
 
+from tx_jax.layers.lora import trainable_mask
 from tx_jax.pytree import path_str
 from tx_jax.train import schedules
 
@@ -20,6 +22,14 @@ def decay_mask(params: Any, no_decay: tuple[str, ...]) -> Any:
   return jax.tree_util.tree_map_with_path(
       lambda path, _: not any(p.search(path_str(path)) for p in patterns), params
   )
+
+
+def freeze(params: Any, lora: ml_collections.ConfigDict) -> Any:
+  """`params` with the frozen ones behind stop_gradient, so no weight gradient is computed."""
+  if lora.rank <= 0:
+    return params
+  mask = trainable_mask(params, lora)
+  return jax.tree.map(lambda p, t: p if t else jax.lax.stop_gradient(p), params, mask)
 
 
 def validate(opt: ml_collections.ConfigDict) -> None:
@@ -61,4 +71,12 @@ def build_optimizer(
     )
   if opt.grad_clip_norm > 0:
     tx = optax.chain(optax.clip_by_global_norm(opt.grad_clip_norm), tx)
+  lora = config.model.lora
+  if lora.rank > 0:
+    # set_to_zero keeps no state: the frozen base holds no moments, and its (stop_gradient'ed,
+    # zero) gradients add nothing to the clipped norm.
+    labels = lambda params: jax.tree.map(  # noqa: E731
+        lambda t: "train" if t else "frozen", trainable_mask(params, lora)
+    )
+    tx = optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, labels)
   return tx, schedule

@@ -34,9 +34,13 @@ class NonFiniteLossError(RuntimeError):
 
 
 def make_apply_fn(module: Any, model_cfg: ml_collections.ConfigDict) -> steps.ApplyFn:
-  """(params, batch, train, rng) -> logits for any family, via models.model_inputs."""
+  """(params, batch, train, rng) -> logits for any family, via models.model_inputs.
+
+  With LoRA on, the frozen params enter behind stop_gradient (optimizers.freeze).
+  """
 
   def apply_fn(params, batch, train, rng):
+    params = optimizers.freeze(params, model_cfg.lora)
     args, kwargs = models.model_inputs(model_cfg, batch)
     return module.apply({"params": params}, *args, **kwargs, train=train, rngs={"dropout": rng})
 

@@ -28,6 +28,7 @@ from tx_jax.layers.attention.blockwise import DEFAULT_BLOCK
 from tx_jax.layers.attention.dense import KeyValuePart, dense_attention, dense_attention_over_parts
 from tx_jax.layers.attention.spec import AttentionSpec
 from tx_jax.layers.linear import Linear, stacked_init
+from tx_jax.layers.lora import LoraSpec
 from tx_jax.layers.positions import apply_rope
 
 Array = jnp.ndarray
@@ -54,14 +55,17 @@ class MultiHeadAttention(nn.Module):
   param_dtype: jnp.dtype = jnp.float32
   kernels: str = ops.PLAIN  # which `layers.ops` kernel set projects and attends
   blockwise_blocks: tuple[int, int] = (DEFAULT_BLOCK, DEFAULT_BLOCK)  # `blockwise`: (query, key)
+  lora: LoraSpec | None = None  # low-rank adapters on the projections its targets name
 
-  def _fused_projection(self, x_BTD: Array) -> tuple[Array, Array, Array]:
+  def _fused_projection(self, x_BTD: Array, train: bool) -> tuple[Array, Array, Array]:
     """(q [B, T, N, H], k, v [B, T, K, H]) from stacked kernels (`fused_qkv`)."""
     if self.num_kv_heads == self.num_heads:
-      qkv_BT3NH = self._stacked_projection(3, self.num_heads, axes.HEADS, "qkv")(x_BTD)
+      qkv = self._stacked_projection(3, self.num_heads, axes.HEADS, "qkv")
+      qkv_BT3NH = qkv(x_BTD, train=train)
       return qkv_BT3NH[:, :, 0], qkv_BT3NH[:, :, 1], qkv_BT3NH[:, :, 2]
-    q_BTNH = self._projection(self.num_heads, axes.HEADS, "query")(x_BTD)
-    kv_BT2KH = self._stacked_projection(2, self.num_kv_heads, axes.KV_HEADS, "kv")(x_BTD)
+    q_BTNH = self._projection(self.num_heads, axes.HEADS, "query")(x_BTD, train=train)
+    kv = self._stacked_projection(2, self.num_kv_heads, axes.KV_HEADS, "kv")
+    kv_BT2KH = kv(x_BTD, train=train)
     return q_BTNH, kv_BT2KH[:, :, 0], kv_BT2KH[:, :, 1]
 
   def _stacked_projection(self, parts: int, heads: int, head_axis: str, name: str) -> Linear:
@@ -74,6 +78,7 @@ class MultiHeadAttention(nn.Module):
         dtype=self.dtype,
         param_dtype=self.param_dtype,
         kernels=self.kernels,
+        lora=self.lora,
         name=name,
     )
 
@@ -86,6 +91,7 @@ class MultiHeadAttention(nn.Module):
         dtype=self.dtype,
         param_dtype=self.param_dtype,
         kernels=self.kernels,
+        lora=self.lora,
         name=name,
     )
 
@@ -117,22 +123,22 @@ class MultiHeadAttention(nn.Module):
           "and values from the encoder output, so it takes fused_qkv=False"
       )
     if self.fused_qkv:
-      q_BTNH, k_BSKH, v_BSKH = self._fused_projection(x_BTD)
+      q_BTNH, k_BSKH, v_BSKH = self._fused_projection(x_BTD, train)
     else:
-      q_BTNH = self._projection(self.num_heads, axes.HEADS, "query")(x_BTD)
+      q_BTNH = self._projection(self.num_heads, axes.HEADS, "query")(x_BTD, train=train)
       key_proj = self._projection(self.num_kv_heads, axes.KV_HEADS, "key")
       value_proj = self._projection(self.num_kv_heads, axes.KV_HEADS, "value")
       if is_cross:
-        k_BSKH, v_BSKH = self._cross_kv(kv_BSD, key_proj, value_proj, decode)
+        k_BSKH, v_BSKH = self._cross_kv(kv_BSD, key_proj, value_proj, decode, train)
       else:
-        k_BSKH, v_BSKH = key_proj(x_BTD), value_proj(x_BTD)
+        k_BSKH, v_BSKH = key_proj(x_BTD, train=train), value_proj(x_BTD, train=train)
     if not is_cross:
       if self.rope_theta is not None:
         q_BTNH = apply_rope(q_BTNH, query_positions, self.rope_theta)
         k_BSKH = apply_rope(k_BSKH, key_positions, self.rope_theta)
       if decode and self.has_variable("cache", "recent_key"):
         out_BTNH = self._attend_chunked_cache(q_BTNH, k_BSKH, v_BSKH, spec)
-        return self._output(out_BTNH, x_BTD.shape[-1])
+        return self._output(out_BTNH, x_BTD.shape[-1], train)
       if decode:
         k_BSKH, v_BSKH = self._append_to_cache(k_BSKH, v_BSKH)
     q_BTNH = axes.constrain(q_BTNH, "BTNH")
@@ -150,7 +156,7 @@ class MultiHeadAttention(nn.Module):
       out_BTNH = dense_attention(
           q_BTNH, k_BSKH, v_BSKH, spec.mask(), spec.bias_logits(), scale=scale
       )
-      return self._output(out_BTNH, x_BTD.shape[-1])
+      return self._output(out_BTNH, x_BTD.shape[-1], train)
     deterministic = not train or self.dropout_rate == 0.0
     block_q, block_k = self.blockwise_blocks
     out_BTNH = get_backend(self.backend, block_q=block_q, block_k=block_k)(
@@ -164,9 +170,9 @@ class MultiHeadAttention(nn.Module):
         deterministic=deterministic,
         kernels=ops.get(self.kernels),
     )
-    return self._output(out_BTNH, x_BTD.shape[-1])
+    return self._output(out_BTNH, x_BTD.shape[-1], train)
 
-  def _output(self, out_BTNH: Array, features: int) -> Array:
+  def _output(self, out_BTNH: Array, features: int, train: bool) -> Array:
     """The output projection [B, T, N, H] -> [B, T, features]."""
     out_BTNH = axes.constrain(out_BTNH, "BTNH")
     return Linear(
@@ -178,8 +184,9 @@ class MultiHeadAttention(nn.Module):
         dtype=self.dtype,
         param_dtype=self.param_dtype,
         kernels=self.kernels,
+        lora=self.lora,
         name="out",
-    )(out_BTNH)
+    )(out_BTNH, train=train)
 
   def _append_to_cache(self, k_BTKH: Array, v_BTKH: Array) -> tuple[Array, Array]:
     """Writes the new K/V at cache_index; returns the whole cache as [B, S_max, K, H].
@@ -259,11 +266,11 @@ class MultiHeadAttention(nn.Module):
     )
 
   def _cross_kv(
-      self, kv_BSD: Array | None, key_proj, value_proj, decode: bool
+      self, kv_BSD: Array | None, key_proj, value_proj, decode: bool, train: bool
   ) -> tuple[Array, Array]:
     """Cross-attention K/V: projected from kv_BSD, cached in decode mode when given."""
     if not decode:
-      return key_proj(kv_BSD), value_proj(kv_BSD)
+      return key_proj(kv_BSD, train=train), value_proj(kv_BSD, train=train)
     if kv_BSD is None:
       if not self.has_variable("cache", "cross_key"):
         raise ValueError(
