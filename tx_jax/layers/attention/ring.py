@@ -247,6 +247,20 @@ def zigzag(x_BT: Array, axis_name: str, *, inverse: bool = False) -> Array:
   )
 
 
+def zigzag_order(length: int, size: int) -> list[int]:
+  """The token order `zigzag` leaves on the devices (device d holds entries d*L..(d+1)*L-1)."""
+  chunk = length // (2 * size)
+  chunks = [c for d in range(size) for c in (d, 2 * size - 1 - d)]
+  return [c * chunk + t for c in chunks for t in range(chunk)]
+
+
+def causal_work(order: list[int], size: int) -> list[int]:
+  """Visible (query, key) pairs per device under a causal mask, for queries in `order`: the
+  ring's work on each device, whichever device holds the keys."""
+  local = len(order) // size
+  return [sum(i + 1 for i in order[d * local : (d + 1) * local]) for d in range(size)]
+
+
 _SEQUENCE_FIELDS = (
     "query_segment_ids",
     "key_segment_ids",
