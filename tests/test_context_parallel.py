@@ -50,3 +50,24 @@ def test_context_parallel_training_equals_single_device(family):
   np.testing.assert_allclose(got, ref, rtol=1e-5)
   assert len(set(ref)) == STEPS, ref  # the steps really trained
   assert "collective-permute" in text  # the ring ran, not GSPMD's gather
+
+
+@pytest.mark.slow  # whole-model decoding
+def test_kv_cached_decoding_on_a_sequence_mesh_equals_single_device():
+  """Decode steps keep the dense path (they gather the cache) under the sequence rules."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+
+  from tests.decode.test_generate import PROMPTS, decoder  # pylint: disable=g-import-not-at-top
+  from tx_jax import decode  # pylint: disable=g-import-not-at-top
+
+  module, params, _ = decoder("gpt2-learned")
+  prompt = decode.make_prompt(PROMPTS, max_new_tokens=4)
+  greedy = decode.Strategy("greedy", max_new_tokens=4)
+  want = decode.generate(module, params, prompt, greedy, eos_id=None)
+  config = _family_config("gpt")
+  config.mesh.data, config.mesh.fsdp, config.mesh.sequence, config.mesh.tensor = 2, 1, 4, 1
+  mesh, rules = sharding.make_mesh(config.mesh), sharding.logical_rules(config)
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(rules):
+    params = jax.device_put(params, sharding.replicated(mesh))
+    got = decode.generate(module, params, prompt, greedy, eos_id=None)
+  np.testing.assert_array_equal(got.tokens, want.tokens)
