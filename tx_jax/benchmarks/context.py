@@ -126,7 +126,7 @@ def sweep(lengths, heads: int, head_dim: int, time_max_len: int, repeats: int) -
 
 def _child(smoke: bool) -> dict:
   if smoke:
-    return sweep((64, 128), heads=2, head_dim=8, time_max_len=128, repeats=1)
+    return sweep((64,), heads=2, head_dim=8, time_max_len=64, repeats=1)
   return sweep(LENGTHS, HEADS, HEAD_DIM, TIME_MAX_LEN, repeats=2)
 
 
