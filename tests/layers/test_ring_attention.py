@@ -45,8 +45,8 @@ def _segments(length, kind):
 def _spec(kind, length, bias_kind=None):
   """Self-attention over `length` tokens; packed documents restart their positions."""
   causal = "causal" in kind
-  segments = _segments(length, "one" if kind in ("none", "causal") else
-                       "padding" if kind == "padding" else "packing")
+  rows = {"none": "one", "causal": "one", "padding": "padding"}.get(kind, "packing")
+  segments = _segments(length, rows)
   positions = None
   if "packing" in kind:
     positions = jnp.asarray(
@@ -109,8 +109,15 @@ def _assert_close(got, want, atol=2e-5):
       )
 
 
-MASK_KINDS = ["none", "causal", "padding", "packing", "causal+packing", "causal+window",
-              "window+packing"]
+MASK_KINDS = [
+    "none",
+    "causal",
+    "padding",
+    "packing",
+    "causal+packing",
+    "causal+window",
+    "window+packing",
+]
 
 
 # Every mask kind on every mesh at a length that needs padding (13: the meshes split 16);
@@ -169,8 +176,8 @@ def _collectives(variant):
         q, k, v
     ).compile()
   text = compiled.as_text()
-  return {op: text.count(f" {op}(") + text.count(f" {op}-start(")
-          for op in ("all-gather", "collective-permute", "all-reduce", "all-to-all")}
+  ops = ("all-gather", "collective-permute", "all-reduce", "all-to-all")
+  return {op: text.count(f" {op}(") + text.count(f" {op}-start(") for op in ops}
 
 
 def test_ring_moves_keys_by_collective_permute_and_never_gathers_them():
@@ -186,12 +193,17 @@ def test_zigzag_moves_tokens_into_its_order_and_back():
 
   x = jnp.broadcast_to(jnp.arange(32, dtype=jnp.int32), (B, 32))
   split = jax.sharding.PartitionSpec(None, "sequence")
-  there_and_back = lambda x: (zigzag(x, "sequence"),  # noqa: E731
-                              zigzag(zigzag(x, "sequence"), "sequence", inverse=True))
+
+  def there_and_back(x):
+    moved = zigzag(x, "sequence")
+    return moved, zigzag(moved, "sequence", inverse=True)
+
   with jax.set_mesh(_mesh("seq8")):
-    moved, back = jax.jit(jax.shard_map(
-        there_and_back, in_specs=split, out_specs=(split, split), axis_names={"sequence"}
-    ))(x)
+    moved, back = jax.jit(
+        jax.shard_map(
+            there_and_back, in_specs=split, out_specs=(split, split), axis_names={"sequence"}
+        )
+    )(x)
   np.testing.assert_array_equal(np.asarray(moved)[0], zigzag_order(32, 8))
   np.testing.assert_array_equal(np.asarray(back), np.asarray(x))
 

@@ -36,6 +36,11 @@ Array = jnp.ndarray
 
 VARIANTS = ("ring", "all_gather")
 
+# Key/query block inside one ring step, half blockwise's default: a device holds its local
+# [T/n, H] blocks plus a few [block, block] score tiles per head, and at 4k tokens per device
+# a 512-tile weighs as much as a local block, so the tiles would not shrink with the ring.
+RING_BLOCK = 256
+
 # The per-block kernel's forward (out, lse over one key block, blocks skipped where masked)
 # and its recomputing backward (given the final out and lse): blockwise's, reused whole.
 _block_forward = blockwise._forward  # pylint: disable=protected-access
@@ -155,7 +160,7 @@ def ring_attention(
     *,
     scale: float,
     axis_name: str,
-    block: int = blockwise.DEFAULT_BLOCK,
+    block: int = RING_BLOCK,
     kernels: ops.Kernels = ops.get(ops.PLAIN),
 ) -> Array:
   """Ring attention on this device's blocks; call inside a shard_map over `axis_name`.
@@ -190,7 +195,7 @@ def all_gather_attention(
     *,
     scale: float,
     axis_name: str,
-    block: int = blockwise.DEFAULT_BLOCK,
+    block: int = RING_BLOCK,
     kernels: ops.Kernels = ops.get(ops.PLAIN),
 ) -> Array:
   """The baseline: gather every device's K/V (and key fields), attend with the local queries."""
@@ -281,7 +286,7 @@ def context_parallel_attention(
     axis_name: str,
     variant: str = "ring",
     load_balance: bool = True,
-    block: int = blockwise.DEFAULT_BLOCK,
+    block: int = RING_BLOCK,
     kernels: ops.Kernels = ops.get(ops.PLAIN),
 ) -> Array:
   """Self-attention as an explicit shard_map over `axis_name` of the current mesh (other mesh
