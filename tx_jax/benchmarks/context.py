@@ -37,7 +37,7 @@ DEVICES = 8
 COMMAND = "python -m experiments.benchmark --only context"
 
 
-def _attend(variant: str, axis: str):
+def _attend(variant: str, axis: str, load_balance: bool = True):
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp
 
@@ -53,13 +53,15 @@ def _attend(variant: str, axis: str):
       q = jax.lax.with_sharding_constraint(q, split)
       k, v = (jax.lax.with_sharding_constraint(x, whole) for x in (k, v))
       return jax.lax.with_sharding_constraint(dense(q, k, v, spec, scale=scale), split)
-    return context_parallel_attention(q, k, v, spec, scale=scale, axis_name=axis, variant=variant)
+    return context_parallel_attention(
+        q, k, v, spec, scale=scale, axis_name=axis, variant=variant, load_balance=load_balance
+    )
 
   return call
 
 
 def measure(variant: str, sequence: int, seq_len: int, heads: int, head_dim: int,
-            time_max_len: int, repeats: int) -> dict:
+            time_max_len: int, repeats: int, load_balance: bool = True) -> dict:
   """One row: compile on `sequence` devices, read the per-device peak, maybe time it."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp
@@ -68,7 +70,7 @@ def measure(variant: str, sequence: int, seq_len: int, heads: int, head_dim: int
          "peak_bytes": None}
   mesh = jax.make_mesh((sequence,), ("sequence",), devices=jax.devices()[:sequence],
                        axis_types=(jax.sharding.AxisType.Auto,))
-  attend = _attend(variant, "sequence")
+  attend = _attend(variant, "sequence", load_balance)
   loss = lambda q, k, v: jnp.sum(attend(q, k, v))  # noqa: E731
   split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "sequence"))
   shape = jax.ShapeDtypeStruct((BATCH, seq_len, heads, head_dim), jnp.float32)
@@ -115,6 +117,11 @@ def sweep(lengths, heads: int, head_dim: int, time_max_len: int, repeats: int) -
           by[(v, 8, at)]["peak_bytes"], by[(v, 1, at)]["peak_bytes"])
       for v in VARIANTS
   }
+  # The zig-zag reorder inside attention keeps reordered copies of q, k and v: what a data
+  # pipeline that delivered tokens in that order would save.
+  plain = [measure("ring", s, at, heads, head_dim, 0, repeats, load_balance=False)["peak_bytes"]
+           for s in (1, 8)]
+  ratios[f"ring_unbalanced_seq8_over_seq1_peak_at_{at}"] = common.ratio(plain[1], plain[0])
   balance = {}
   for sequence in SEQUENCES[1:]:
     for name, order in (("zigzag", zigzag_order(at, sequence)), ("plain", list(range(at)))):
