@@ -184,6 +184,8 @@ def plot(result: dict, path) -> None:
                   label=f"{variant} T={t}")
   for ax, label in ((ax_m, "per-device peak MiB"), (ax_t, "fwd+bwd ms")):
     ax.set(xlabel="sequence devices", ylabel=label, xscale="log")
+    ax.set_xticks(SEQUENCES, [str(s) for s in SEQUENCES])
+    ax.tick_params(axis="x", which="minor", labelbottom=False)
     if ax.has_data():
       ax.set(yscale="log")
       ax.legend(fontsize=6)
