@@ -82,3 +82,14 @@ def test_kv_cached_decoding_on_a_sequence_mesh_equals_single_device():
     params = jax.device_put(params, sharding.replicated(mesh))
     got = decode.generate(module, params, prompt, greedy, eos_id=None)
   np.testing.assert_array_equal(got.tokens, want.tokens)
+
+
+def test_attention_dropout_on_a_sequence_mesh_is_refused_before_any_work():
+  from tx_jax import validation  # pylint: disable=g-import-not-at-top
+
+  config = _family_config("gpt")  # attention dropout 0.1
+  config.mesh.data, config.mesh.sequence = 2, 4
+  with pytest.raises(ValueError, match=r"config.mesh.sequence=4 .*attention_dropout_rate=0.1"):
+    validation.context_parallel_supported(config)
+  config.model.attention_dropout_rate = 0.0
+  validation.context_parallel_supported(config)
