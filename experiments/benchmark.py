@@ -1,6 +1,7 @@
 r"""One benchmark command: python -m experiments.benchmark --out DIR [--only SECTION ...].
 
-Sections (tx_jax/benchmarks/): train, small, time_to_loss, attention, decode, data, compile;
+Sections (tx_jax/benchmarks/): train, small, time_to_loss, attention, decode, data, compile,
+context (ring attention vs the sequence axis, in an 8-device child process);
 several are named comma-separated (--only train,small) or by repeating --only.
 Writes DIR/benchmark.json (a top-level key per section) and DIR/<section>.png.
 --preset h200 runs the bf16 GPU presets instead (train: GPT-2-medium and LLaMA-1B steps,

@@ -176,7 +176,8 @@ def _run_benchmark(out: pathlib.Path, data_dir: pathlib.Path, *args: str) -> dic
 @pytest.mark.slow
 def test_smoke_run_writes_every_section_and_the_names_scripts_rely_on(tmp_path, data_dir):
   report = _run_benchmark(tmp_path, data_dir)
-  for section in ("train", "small", "time_to_loss", "attention", "decode", "data", "compile"):
+  for section in ("train", "small", "time_to_loss", "attention", "decode", "data", "compile",
+                  "context"):
     assert "error" not in report[section], report[section]
     assert (tmp_path / f"{section}.png").stat().st_size > 0
   for key in (
@@ -218,6 +219,11 @@ def test_smoke_run_writes_every_section_and_the_names_scripts_rely_on(tmp_path, 
     assert key in report["time_to_loss"], key
   assert report["time_to_loss"]["tx_jax_final_loss"] > 0
   assert {r["scan_layers"] for r in report["compile"]["rows"]} == {True, False}
+  rows = report["context"]["rows"]
+  assert {(r["variant"], r["sequence"]) for r in rows} == {
+      (v, s) for v in ("ring", "all_gather", "gspmd") for s in (1, 2, 4, 8)
+  }
+  assert all({"variant", "sequence", "seq_len", "time_ms", "peak_bytes"} <= set(r) for r in rows)
   assert report["machine"]["loadavg"]
   # The process runs on the CPU presets' devices; each section's step is also measured on
   # the other device count.

@@ -209,6 +209,18 @@ def best_metric_exists(config: ml_collections.ConfigDict) -> None:
     )
 
 
+def context_parallel_supported(config: ml_collections.ConfigDict) -> None:
+  """A mesh that splits the sequence runs self-attention as ring attention
+  (`layers/attention/ring.py`), which has no attention dropout: refused before any work."""
+  m = config.model
+  if config.mesh.sequence > 1 and m.attention_dropout_rate > 0:
+    raise ValueError(
+        f"config.mesh.sequence={config.mesh.sequence} runs self-attention context-parallel, "
+        f"which has no attention dropout, but config.model.attention_dropout_rate="
+        f"{m.attention_dropout_rate}; set it to 0 or use config.mesh.sequence=1"
+    )
+
+
 def train_config(
     config: ml_collections.ConfigDict,
     num_devices: int | None = None,
@@ -235,6 +247,7 @@ def train_config(
   vocabulary_fits(config)
   attention_backend_supported(config)
   attention_backend_runs_here(config, jax.default_backend())
+  context_parallel_supported(config)
   sharding.validate(
       config,
       len(sharding.run_devices(config.mesh)) if num_devices is None else num_devices,

@@ -16,7 +16,7 @@ from tx_jax.benchmarks.common import Options
 
 def _sections(preset: str) -> dict[str, tuple[Callable, Callable]]:
   """name -> (run(options) -> dict, plot(result, path)); imported lazily, per preset."""
-  from tx_jax.benchmarks import attention, compile_time, data, decode, time_to_loss, train  # pylint: disable=g-import-not-at-top
+  from tx_jax.benchmarks import attention, compile_time, context, data, decode, time_to_loss, train  # pylint: disable=g-import-not-at-top
 
   if preset == "h200":
     from tx_jax.benchmarks import h200  # pylint: disable=g-import-not-at-top
@@ -34,10 +34,11 @@ def _sections(preset: str) -> dict[str, tuple[Callable, Callable]]:
       "decode": (decode.run, decode.plot),
       "data": (data.run, data.plot),
       "compile": (compile_time.run, compile_time.plot),
+      "context": (context.run, context.plot),
   }
 
 
-SECTIONS = ("train", "small", "time_to_loss", "attention", "decode", "data", "compile")
+SECTIONS = ("train", "small", "time_to_loss", "attention", "decode", "data", "compile", "context")
 PRESETS = ("cpu", "h200")
 DATA_SECTIONS = ("train", "small", "time_to_loss", "data")  # read Tiny Shakespeare
 

@@ -4,6 +4,7 @@
 - `spec.py`: `AttentionSpec`, the description every backend materialises per block.
 - `dense.py`: the reference (one softmax over [T, S]) and the helpers the backends share.
 - `blockwise.py`, `pallas.py`, `cudnn.py`: one backend each; `backends.py` names them.
+- `ring.py`: context-parallel self-attention when the mesh splits the sequence.
 """
 
 from tx_jax.layers.attention.backends import BACKENDS, get_backend

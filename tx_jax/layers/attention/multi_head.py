@@ -26,6 +26,7 @@ from tx_jax.layers import axes, ops
 from tx_jax.layers.attention.backends import get_backend
 from tx_jax.layers.attention.blockwise import DEFAULT_BLOCK
 from tx_jax.layers.attention.dense import KeyValuePart, dense_attention, dense_attention_over_parts
+from tx_jax.layers.attention.ring import context_parallel_attention, sequence_axis
 from tx_jax.layers.attention.spec import AttentionSpec
 from tx_jax.layers.linear import Linear, stacked_init
 from tx_jax.layers.lora import LoraSpec
@@ -141,9 +142,14 @@ class MultiHeadAttention(nn.Module):
         return self._output(out_BTNH, x_BTD.shape[-1], train)
       if decode:
         k_BSKH, v_BSKH = self._append_to_cache(k_BSKH, v_BSKH)
+    # On a mesh that splits the sequence, self-attention runs context-parallel (ring.py);
+    # its keys stay split like the queries, so nothing gathers them first. Decoding gathers.
+    context_axis = None if decode or is_cross else sequence_axis()
+    if context_axis is not None and spec is not None and spec.explicit_mask is not None:
+      context_axis = None  # an explicit [T, S] mask can't travel with key blocks: GSPMD's way
     q_BTNH = axes.constrain(q_BTNH, "BTNH")
-    k_BSKH = axes.constrain(k_BSKH, "BSKH")
-    v_BSKH = axes.constrain(v_BSKH, "BSKH")
+    k_BSKH = axes.constrain(k_BSKH, "BTKH" if context_axis else "BSKH")
+    v_BSKH = axes.constrain(v_BSKH, "BTKH" if context_axis else "BSKH")
 
     scale = self.scale if self.scale is not None else self.head_dim**-0.5
     if spec is None:
@@ -158,6 +164,22 @@ class MultiHeadAttention(nn.Module):
       )
       return self._output(out_BTNH, x_BTD.shape[-1], train)
     deterministic = not train or self.dropout_rate == 0.0
+    if context_axis is not None:
+      if not deterministic:
+        raise ValueError(
+            f"context-parallel attention (mesh sequence axis {context_axis!r} > 1) has no "
+            f"attention dropout; set model.attention_dropout_rate=0 (got {self.dropout_rate})"
+        )
+      out_BTNH = context_parallel_attention(
+          q_BTNH,
+          k_BSKH,
+          v_BSKH,
+          spec,
+          scale=scale,
+          axis_name=context_axis,
+          kernels=ops.get(self.kernels),
+      )
+      return self._output(out_BTNH, x_BTD.shape[-1], train)
     block_q, block_k = self.blockwise_blocks
     out_BTNH = get_backend(self.backend, block_q=block_q, block_k=block_k)(
         q_BTNH,
