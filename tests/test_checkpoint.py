@@ -255,12 +255,16 @@ def test_a_failed_saves_unfinished_folder_is_removed_without_a_warning(tmp_path,
   unfinished = tmp_path / "checkpoints" / "7.orbax-checkpoint-tmp" / "state.orbax-checkpoint-tmp"
   unfinished.mkdir(parents=True)
   (unfinished / "_sharding").write_text("{}")
+  gc.collect()  # an earlier test's abandoned Orbax futures report themselves when collected
   with caplog.at_level("WARNING"):
     ck = _manager(tmp_path)
     _save_steps(ck, [1])
     ck.close()
   assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1"]
-  assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+  # asyncio's "exception was never retrieved" can still come from such a future, whenever
+  # the collector runs; what this test is about is the manager's own warnings.
+  warnings_ = [r for r in caplog.records if r.levelno >= logging.WARNING and r.name != "asyncio"]
+  assert not warnings_, caplog.text
 
 
 def test_damaged_newest_stops_naming_the_step(tmp_path):
