@@ -264,11 +264,17 @@ def _attention_bwd(scale, block_q, block_k, einsum, residuals, dout):
   dq, dk, dv, dbias = _backward(
       q_BTKGH, k_BSKH, v_BSKH, spec, scale, block_q, block_k, einsum, out, lse, dout
   )
-  # Segment ids, indices and positions are integers: their cotangents are float0 zeros.
+  dspec = spec_cotangent(spec, dbias)
+  return dq.astype(q_BTKGH.dtype), dk.astype(k_BSKH.dtype), dv.astype(v_BSKH.dtype), dspec
+
+
+def spec_cotangent(spec: AttentionSpec, dbias) -> AttentionSpec:
+  """A spec's cotangent in a custom VJP: dbias for the bias parameters, and float0 zeros for
+  the segment ids, indices and positions, which are integers."""
   dspec = jax.tree.map(_zero_cotangent, spec.replace(bias=None))
   if spec.bias is not None:
     dspec = dspec.replace(bias=jax.tree.map(lambda d, x: d.astype(x.dtype), dbias, spec.bias))
-  return dq.astype(q_BTKGH.dtype), dk.astype(k_BSKH.dtype), dv.astype(v_BSKH.dtype), dspec
+  return dspec
 
 
 def _zero_cotangent(x: Array) -> Array:

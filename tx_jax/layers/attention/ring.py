@@ -137,16 +137,8 @@ def _ring_bwd(scale, axis_name, block, einsum, residuals, dout):
   dk, dv = traveller[-2:]
   # Each device's dbias covers its own queries only: the shard_map's transpose sums them
   # over the devices, as it does for every input replicated over the axis.
-  dspec = jax.tree.map(_zero_cotangent, spec.replace(bias=None))
-  if spec.bias is not None:
-    dspec = dspec.replace(bias=jax.tree.map(lambda d, x: d.astype(x.dtype), dbias, spec.bias))
+  dspec = blockwise.spec_cotangent(spec, dbias)
   return dq.astype(q_BTKGH.dtype), dk.astype(k_BSKH.dtype), dv.astype(v_BSKH.dtype), dspec
-
-
-def _zero_cotangent(x: Array) -> Array:
-  if jnp.issubdtype(x.dtype, jnp.inexact):
-    return jnp.zeros_like(x)
-  return jnp.zeros(x.shape, jax.dtypes.float0)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
