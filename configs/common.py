@@ -63,6 +63,15 @@ def model_config() -> ml_collections.ConfigDict:
   # cpu-mkl extra, custom VJPs, chunked causal `dense`). "cpu" is reverse-mode only: its
   # custom VJPs make jax.jvp / jax.linearize fail
   m.kernels = "plain"
+  # Self-attention when config.mesh.sequence > 1: "ring" (key/value blocks pass around the
+  # devices; memory per device falls as 1/sequence) or "all_gather" (every device gathers all
+  # keys and values: the simple baseline)
+  m.context_parallel = "ring"
+  # Causal load balance on a sequence mesh: "data" (the trainer hands causal rows over in
+  # zig-zag order with their natural indices, tx_jax/data/context_order.py), "attention"
+  # (attention reorders q, k, v itself: any caller, but each layer keeps reordered copies)
+  # or "none" (natural order: the last device does most of the work)
+  m.context_load_balance = "data"
   # Self-attention's projections stacked: q, k, v as one [D, 3, N, H] kernel "qkv" (GPT-2
   # stores its c_attn this way too), or with fewer kv heads q alone and k, v as one
   # [D, 2, K, H] "kv". Fewer, wider GEMMs; HF import/export map both layouts

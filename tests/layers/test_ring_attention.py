@@ -3,7 +3,8 @@ output and gradients w.r.t. q, k, v and the bias parameters, on meshes (sequence
 (data=2, sequence=4) and (fsdp=2, sequence=2, tensor=2); for every mask kind, T5 relative
 bias and ALiBi, GQA and MQA, at a length the devices divide and one that needs padding. The
 ring's compiled program moves K/V with collective-permutes and never all-gathers them; the
-zig-zag order evens out causal work."""
+zig-zag order evens out causal work. Rows come in zig-zag order with their natural indices,
+as the trainer delivers them, unless a test says otherwise."""
 
 import functools
 
@@ -12,9 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tx_jax.data.context_order import causal_work, zigzag_permutation
 from tx_jax.layers.attention.dense import dense
 from tx_jax.layers.attention.ring import context_parallel_attention
-from tx_jax.layers.attention.spec import AttentionSpec
+from tx_jax.layers.attention.spec import SEQUENCE_FIELDS, AttentionSpec
 from tx_jax.layers.positions import AlibiBias, RelativeBias, alibi_slopes
 
 B, N, H = 2, 4, 8
@@ -87,13 +89,37 @@ def _reference(spec, q, k, v):
   return jax.jit(functools.partial(_loss_and_grads, attend))(spec, q, k, v)
 
 
-def _context_parallel(mesh_name, spec, q, k, v, variant="ring", load_balance=True):
+def _in_zigzag_order(attend, size):
+  """`attend` fed as the trainer feeds it (config.model.context_load_balance="data"): rows
+  padded and put in zig-zag order with their natural indices in the spec, the output put
+  back in natural order; so the result compares with the reference token for token."""
+
+  def reordered(q, k, v, s):
+    length = q.shape[1]
+    padded = -(-length // (2 * size)) * (2 * size)
+    order = zigzag_permutation(padded, size)
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, padded - length)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+    s = s.padded(padded, padded)
+    s = s.replace(same_tokens=False, **{f: getattr(s, f)[:, order] for f in SEQUENCE_FIELDS})
+    out = attend(pad(q)[:, order], pad(k)[:, order], pad(v)[:, order], s)
+    return out[:, np.argsort(order)][:, :length]
+
+  return reordered
+
+
+def _context_parallel(mesh_name, spec, q, k, v, variant="ring", order="data"):
+  """order: "data" (rows arrive in zig-zag order), "attention" (reordered inside), "none"."""
+
   def attend(q, k, v, s):
     return context_parallel_attention(
-        q, k, v, s, scale=SCALE, axis_name="sequence", variant=variant, load_balance=load_balance
+        q, k, v, s, scale=SCALE, axis_name="sequence", variant=variant,
+        reorder=order == "attention",
     )
 
-  with jax.set_mesh(_mesh(mesh_name)):
+  mesh = _mesh(mesh_name)
+  if order == "data":
+    attend = _in_zigzag_order(attend, mesh.shape["sequence"])
+  with jax.set_mesh(mesh):
     return jax.jit(functools.partial(_loss_and_grads, attend))(spec, q, k, v)
 
 
@@ -152,11 +178,18 @@ def test_ring_equals_dense_with_bias_and_grouped_heads(mesh_name, kind, bias_kin
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh_name", list(MESHES))
-def test_all_gather_variant_and_plain_split_equal_dense(mesh_name):
+def test_all_gather_variant_and_every_order_equal_dense(mesh_name):
   spec, qkv = _spec("causal+packing", 13, "t5"), _qkv(13, 2)
   want = _reference(spec, *qkv)
   _assert_close(_context_parallel(mesh_name, spec, *qkv, variant="all_gather"), want)
-  _assert_close(_context_parallel(mesh_name, spec, *qkv, load_balance=False), want)
+  _assert_close(_context_parallel(mesh_name, spec, *qkv, order="attention"), want)
+  _assert_close(_context_parallel(mesh_name, spec, *qkv, order="none"), want)
+
+
+def test_ring_reordering_inside_attention_equals_dense():
+  """context_load_balance="attention": natural rows, zig-zag made by ppermutes inside."""
+  spec, qkv = _spec("causal+packing", 13, "t5"), _qkv(13, 2)
+  _assert_close(_context_parallel("seq8", spec, *qkv, order="attention"), _reference(spec, *qkv))
 
 
 def _collectives(variant):
@@ -188,8 +221,8 @@ def test_ring_moves_keys_by_collective_permute_and_never_gathers_them():
   assert _collectives("all_gather")["all-gather"] > 0
 
 
-def test_zigzag_moves_tokens_into_its_order_and_back():
-  from tx_jax.layers.attention.ring import zigzag, zigzag_order  # pylint: disable=g-import-not-at-top
+def test_zigzag_inside_attention_makes_the_data_paths_order_and_undoes_it():
+  from tx_jax.layers.attention.ring import zigzag  # pylint: disable=g-import-not-at-top
 
   x = jnp.broadcast_to(jnp.arange(32, dtype=jnp.int32), (B, 32))
   split = jax.sharding.PartitionSpec(None, "sequence")
@@ -204,16 +237,14 @@ def test_zigzag_moves_tokens_into_its_order_and_back():
             there_and_back, in_specs=split, out_specs=(split, split), axis_names={"sequence"}
         )
     )(x)
-  np.testing.assert_array_equal(np.asarray(moved)[0], zigzag_order(32, 8))
+  np.testing.assert_array_equal(np.asarray(moved)[0], zigzag_permutation(32, 8))
   np.testing.assert_array_equal(np.asarray(back), np.asarray(x))
 
 
 @pytest.mark.parametrize("size", [2, 4, 8])
 def test_zigzag_evens_causal_work(size):
-  from tx_jax.layers.attention.ring import causal_work, zigzag_order  # pylint: disable=g-import-not-at-top
-
   length = 1024
-  balanced = causal_work(zigzag_order(length, size), size)
+  balanced = causal_work(zigzag_permutation(length, size), size)
   plain = causal_work(list(range(length)), size)
   assert max(balanced) <= 1.2 * np.mean(balanced), balanced
   assert max(plain) > 1.2 * np.mean(plain), plain  # what the zig-zag order is for

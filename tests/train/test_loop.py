@@ -56,12 +56,12 @@ def poison_step_5(monkeypatch):
   real = run_lib._to_global  # pylint: disable=protected-access  # every batch passes here
   calls = {"n": 0}
 
-  def poisoned(batch, mesh):
+  def poisoned(batch, mesh, order):
     if "targets" in batch and batch["targets"].ndim == 2 and batch is not None:
       calls["n"] += 1
       if calls["n"] == 5:
         batch = dict(batch, weights=np.full_like(batch["weights"], np.nan))
-    return real(batch, mesh)
+    return real(batch, mesh, order)
 
   monkeypatch.setattr(run_lib, "_to_global", poisoned)
   return calls

@@ -3,7 +3,8 @@ the `sequence` mesh axis grows (1, 2, 4, 8 CPU devices) at T = 8k, 32k, 128k.
 
 One causal self-attention call (B=1, 8 heads of 64, float32) and its gradient w.r.t. q, k,
 v, jitted on a mesh of `sequence` devices with q, k, v split along their length, for three
-variants: "ring" and "all_gather" (tx_jax.layers.attention.ring, zig-zag load balance) and
+variants: "ring" and "all_gather" (tx_jax.layers.attention.ring; rows in zig-zag order with
+their natural indices, as the trainer hands them over: context_load_balance="data") and
 "gspmd", what a model did before: the dense backend with the keys' layout left to the
 compiler (queries split, keys replicated, as the act_kv_len rule says). Peak bytes are XLA's
 compiled memory analysis of one device's program (arguments + outputs + temporaries -
@@ -37,7 +38,7 @@ DEVICES = 8
 COMMAND = "python -m experiments.benchmark --only context"
 
 
-def _attend(variant: str, axis: str, load_balance: bool = True):
+def _attend(variant: str, axis: str, load_balance: str):
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp
 
@@ -45,8 +46,11 @@ def _attend(variant: str, axis: str, load_balance: bool = True):
   from tx_jax.layers.attention.dense import dense  # pylint: disable=g-import-not-at-top
   from tx_jax.layers.attention.ring import context_parallel_attention  # pylint: disable=g-import-not-at-top
 
-  def call(q, k, v):
-    spec = AttentionSpec.self_attention(jnp.ones(q.shape[:2], jnp.int32), causal=True)
+  def call(q, k, v, index):
+    # Under "data" the rows arrive in zig-zag order and `index` holds each token's natural
+    # index, as the trainer hands them over; else `index` is the natural order.
+    segments = jnp.ones(q.shape[:2], jnp.int32)
+    spec = AttentionSpec.self_attention(segments, causal=True, index_BT=index)
     scale = q.shape[-1] ** -0.5
     if variant == "gspmd":
       split, whole = jax.sharding.PartitionSpec(None, axis), jax.sharding.PartitionSpec()
@@ -54,30 +58,41 @@ def _attend(variant: str, axis: str, load_balance: bool = True):
       k, v = (jax.lax.with_sharding_constraint(x, whole) for x in (k, v))
       return jax.lax.with_sharding_constraint(dense(q, k, v, spec, scale=scale), split)
     return context_parallel_attention(
-        q, k, v, spec, scale=scale, axis_name=axis, variant=variant, load_balance=load_balance
+        q, k, v, spec, scale=scale, axis_name=axis, variant=variant,
+        reorder=load_balance == "attention",
     )
 
   return call
 
 
 def measure(variant: str, sequence: int, seq_len: int, heads: int, head_dim: int,
-            time_max_len: int, repeats: int, load_balance: bool = True) -> dict:
-  """One row: compile on `sequence` devices, read the per-device peak, maybe time it."""
+            time_max_len: int, repeats: int, load_balance: str = "data") -> dict:
+  """One row: compile on `sequence` devices, read the per-device peak, maybe time it.
+
+  load_balance as config.model.context_load_balance: "data" (rows arrive in zig-zag order,
+  what the trainer does), "attention" (reordered inside attention) or "none".
+  """
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp
+  import numpy as np
+
+  from tx_jax.data.context_order import zigzag_permutation  # pylint: disable=g-import-not-at-top
 
   row = {"variant": variant, "sequence": sequence, "seq_len": seq_len, "time_ms": None,
          "peak_bytes": None}
   mesh = jax.make_mesh((sequence,), ("sequence",), devices=jax.devices()[:sequence],
                        axis_types=(jax.sharding.AxisType.Auto,))
+  in_data_order = load_balance == "data" and variant != "gspmd" and sequence > 1
+  order = zigzag_permutation(seq_len, sequence) if in_data_order else np.arange(seq_len)
   attend = _attend(variant, "sequence", load_balance)
-  loss = lambda q, k, v: jnp.sum(attend(q, k, v))  # noqa: E731
+  loss = lambda q, k, v, index: jnp.sum(attend(q, k, v, index))  # noqa: E731
   split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "sequence"))
   shape = jax.ShapeDtypeStruct((BATCH, seq_len, heads, head_dim), jnp.float32)
+  index_shape = jax.ShapeDtypeStruct((BATCH, seq_len), jnp.int32)
   try:
     with jax.set_mesh(mesh):
       grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), in_shardings=split)
-      compiled = grad.lower(shape, shape, shape).compile()
+      compiled = grad.lower(shape, shape, shape, index_shape).compile()
   except Exception as e:  # pylint: disable=broad-except  # report it, measure the next
     row["note"] = f"does not compile: {type(e).__name__}: {str(e)[:200]}"
     return row
@@ -94,11 +109,12 @@ def measure(variant: str, sequence: int, seq_len: int, heads: int, head_dim: int
     return row
   keys = jax.random.split(jax.random.key(seq_len), 3)
   q, k, v = (jax.device_put(jax.random.normal(key, shape.shape), split) for key in keys)
-  jax.block_until_ready(compiled(q, k, v))
+  index = jax.device_put(np.broadcast_to(order.astype(np.int32), index_shape.shape), split)
+  jax.block_until_ready(compiled(q, k, v, index))
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
-    jax.block_until_ready(compiled(q, k, v))
+    jax.block_until_ready(compiled(q, k, v, index))
     times.append(time.perf_counter() - start)
   row["time_ms"] = 1e3 * common.median(times)
   return row
@@ -106,7 +122,7 @@ def measure(variant: str, sequence: int, seq_len: int, heads: int, head_dim: int
 
 def sweep(lengths, heads: int, head_dim: int, time_max_len: int, repeats: int) -> dict:
   """Every variant x sequence x length, the memory ratio the issue targets, the work balance."""
-  from tx_jax.layers.attention.ring import causal_work, zigzag_order  # pylint: disable=g-import-not-at-top
+  from tx_jax.data.context_order import causal_work, zigzag_permutation  # pylint: disable=g-import-not-at-top
 
   rows = [measure(variant, sequence, t, heads, head_dim, time_max_len, repeats)
           for t in lengths for sequence in SEQUENCES for variant in VARIANTS]
@@ -117,15 +133,17 @@ def sweep(lengths, heads: int, head_dim: int, time_max_len: int, repeats: int) -
           by[(v, 8, at)]["peak_bytes"], by[(v, 1, at)]["peak_bytes"])
       for v in VARIANTS
   }
-  # The zig-zag reorder inside attention keeps reordered copies of q, k and v: what a data
-  # pipeline that delivered tokens in that order would save.
-  plain = [measure("ring", s, at, heads, head_dim, 0, repeats, load_balance=False)["peak_bytes"]
-           for s in (1, 8)]
-  ratios[f"ring_unbalanced_seq8_over_seq1_peak_at_{at}"] = common.ratio(plain[1], plain[0])
+  # The other two settings of config.model.context_load_balance, for the ring: reordering
+  # inside attention keeps reordered copies of q, k, v and the output; natural order is
+  # unbalanced. Same memory as "data" would mean the copies cost nothing.
+  for balance in ("attention", "none"):
+    seq8 = measure("ring", 8, at, heads, head_dim, 0, repeats, load_balance=balance)
+    ratios[f"ring_{balance}_order_seq8_over_seq1_peak_at_{at}"] = common.ratio(
+        seq8["peak_bytes"], by[("ring", 1, at)]["peak_bytes"])
   balance = {}
   for sequence in SEQUENCES[1:]:
-    for name, order in (("zigzag", zigzag_order(at, sequence)), ("plain", list(range(at)))):
-      work = causal_work(order, sequence)
+    for name, order in (("zigzag", zigzag_permutation(at, sequence)), ("plain", range(at))):
+      work = causal_work(list(order), sequence)
       balance[f"{name}_seq{sequence}_max_over_mean"] = max(work) * sequence / sum(work)
   return {
       "batch": BATCH, "heads": heads, "head_dim": head_dim, "dtype": "float32", "causal": True,

@@ -1,5 +1,6 @@
 """tx_jax.data: sources, tokenizers, task transforms and grain pipelines (ARCHITECTURE.md)."""
 
+from tx_jax.data.context_order import to_zigzag
 from tx_jax.data.pipeline import (
     build_eval_batches,
     build_train_iterator,
@@ -27,5 +28,6 @@ __all__ = [
     "eval_examples",
     "make_global_batch",
     "train_sentencepiece",
+    "to_zigzag",
     "validate",
 ]

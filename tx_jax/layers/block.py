@@ -54,6 +54,8 @@ class LayerSpec:
   blockwise_blocks: tuple[int, int] = (512, 512)  # `blockwise` backend's (query, key) blocks
   fused_qkv: bool = False  # self-attention from stacked q, k, v kernels (MultiHeadAttention)
   kernels: str = ops.PLAIN  # the `layers.ops` kernel set of every projection and attention
+  context_parallel: str = "ring"  # self-attention on a sequence-split mesh: "ring", "all_gather"
+  context_reorder: bool = False  # zig-zag order made inside attention (else the batch's order)
   lora: LoraSpec | None = None  # low-rank adapters on the projections its targets name
   cross_attention: bool = False
   kernel_init: Any = nn.initializers.lecun_normal()
@@ -98,6 +100,8 @@ class TransformerLayer(nn.Module):
           dtype=s.dtype,
           param_dtype=s.param_dtype,
           kernels=s.kernels,
+          context_parallel=s.context_parallel,
+          context_reorder=s.context_reorder,
           lora=s.lora,
           name=name,
       )

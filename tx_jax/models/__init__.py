@@ -22,11 +22,17 @@ REGISTRY: dict[str, type[nn.Module]] = {
 # Which batch-contract keys (ARCHITECTURE.md) each family reads: positional
 # arguments first, then keyword arguments that are passed when present.
 _INPUT_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "decoder": (("inputs",), ("segment_ids", "positions")),
+    "decoder": (("inputs",), ("segment_ids", "positions", "token_index")),
     "encoder": (("inputs",), ("token_type_ids", "segment_ids", "positions")),
     "encdec": (
         ("encoder_inputs", "decoder_inputs"),
-        ("encoder_segment_ids", "decoder_segment_ids", "encoder_positions", "decoder_positions"),
+        (
+            "encoder_segment_ids",
+            "decoder_segment_ids",
+            "encoder_positions",
+            "decoder_positions",
+            "decoder_token_index",
+        ),
     ),
 }
 

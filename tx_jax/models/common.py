@@ -120,10 +120,13 @@ def self_attention_spec(
     causal: bool,
     decode_slots: DecodeSlots | None,
     relative_bias: RelativePositionBias | None,
+    token_index_BT: Array | None = None,
 ) -> AttentionSpec:
   """What may attend to what in a stack's self-attention; no [T, S] tensor is built here.
 
-  Pass `decode_slots` when decoding with the KV cache, None otherwise.
+  Pass `decode_slots` when decoding with the KV cache, None otherwise. `token_index_BT`: each
+  token's index in its natural row when the batch arrives reordered (data/context_order.py);
+  None means the row is in natural order.
   """
   bias = None
   if config.positions == "relative":
@@ -133,7 +136,12 @@ def self_attention_spec(
   if decode_slots is None:
     # Causality by index, not position: positions restart inside packed rows.
     return AttentionSpec.self_attention(
-        segment_ids_BT, positions_BT, causal=causal, bias=bias, packed=config.packed_inputs
+        segment_ids_BT,
+        positions_BT,
+        causal=causal,
+        bias=bias,
+        index_BT=token_index_BT,
+        packed=config.packed_inputs,
     )
   # Keys are cache slots; within a row slot differences are position differences.
   query_slots, key_slots, query_seg, key_seg = decode_slots(segment_ids_BT)

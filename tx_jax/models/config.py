@@ -17,6 +17,8 @@ import jax.numpy as jnp
 from tx_jax.layers import lora as lora_lib
 from tx_jax.layers import ops
 from tx_jax.layers.attention import BACKENDS
+from tx_jax.layers.attention.ring import LOAD_BALANCE as CONTEXT_LOAD_BALANCE
+from tx_jax.layers.attention.ring import VARIANTS as CONTEXT_PARALLEL
 from tx_jax.layers.block import REMAT_POLICIES, LayerSpec
 from tx_jax.layers.mlp import ACTIVATIONS
 from tx_jax.layers.norms import NORMS, NormSpec
@@ -75,6 +77,8 @@ class ModelConfig:
   blockwise_block_k: int = 512
   packed_inputs: bool = True
   kernels: str = "plain"
+  context_parallel: str = "ring"
+  context_load_balance: str = "data"
   fused_qkv: bool = False
   scan_layers: bool = False
   remat_policy: str = "none"
@@ -107,6 +111,8 @@ class ModelConfig:
         "param_dtype": tuple(DTYPES),
         "attention_backend": tuple(BACKENDS),
         "kernels": ops.names(),
+        "context_parallel": CONTEXT_PARALLEL,
+        "context_load_balance": CONTEXT_LOAD_BALANCE,
         "remat_policy": tuple(REMAT_POLICIES),
         "init": INITS,
     }
@@ -199,6 +205,8 @@ class ModelConfig:
         blockwise_blocks=(self.blockwise_block_q, self.blockwise_block_k),
         fused_qkv=self.fused_qkv,
         kernels=self.kernels,
+        context_parallel=self.context_parallel,
+        context_reorder=self.context_load_balance == "attention",
         lora=self.lora if self.lora.enabled else None,
         cross_attention=cross_attention,
         kernel_init=self.kernel_init(),

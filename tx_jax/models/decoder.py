@@ -25,12 +25,16 @@ class Decoder(nn.Module):
       *,
       segment_ids: Array | None = None,
       positions: Array | None = None,
+      token_index: Array | None = None,
       train: bool = False,
       decode: bool = False,
   ) -> Array:
+    """`token_index`: each token's index in its natural row, for rows that arrive reordered
+    (causal load balance, tx_jax/data/context_order.py); pass positions with it."""
     c = self.config
     segment_ids = common.default_segment_ids(inputs_BT) if segment_ids is None else segment_ids
-    positions = common.default_positions(inputs_BT) if positions is None else positions
+    if positions is None:
+      positions = common.default_positions(inputs_BT) if token_index is None else token_index
     embed = common.token_embed(c)
     x_BTD = common.embed_inputs(
         c, embed, common.position_embed(c, "position_embed"), inputs_BT, positions
@@ -44,6 +48,7 @@ class Decoder(nn.Module):
         causal=True,
         decode_slots=common.DecodeSlots(name="decode_slots") if decode else None,
         relative_bias=common.relative_bias_module(c, bidirectional=False, name="relative_bias"),
+        token_index_BT=token_index,
     )
     stack = common.transformer_stack(c, "stack")
     x_BTD = stack(x_BTD, self_spec=spec, positions_BT=positions, train=train, decode=decode)

@@ -83,6 +83,7 @@ class EncoderDecoder(nn.Module):
       encoder_segment_ids: Array | None = None,
       decoder_segment_ids: Array | None = None,
       decoder_positions: Array | None = None,
+      decoder_token_index: Array | None = None,
       train: bool = False,
       decode: bool = False,
   ) -> Array:
@@ -90,6 +91,8 @@ class EncoderDecoder(nn.Module):
 
     With decode=True, pass `encoded` on the first (prefill) call only; its
     cross-attention K/V and padding are cached and reused afterwards.
+    `decoder_token_index`: each target's index in its natural row, for rows that arrive
+    reordered (causal load balance, tx_jax/data/context_order.py).
     """
     c = self.config
     segment_ids = (
@@ -97,9 +100,13 @@ class EncoderDecoder(nn.Module):
         if decoder_segment_ids is None
         else decoder_segment_ids
     )
-    positions = (
-        common.default_positions(decoder_inputs) if decoder_positions is None else decoder_positions
-    )
+    positions = decoder_positions
+    if positions is None:
+      positions = (
+          common.default_positions(decoder_inputs)
+          if decoder_token_index is None
+          else decoder_token_index
+      )
     encoder_segments = self._encoder_segments(encoded, encoder_segment_ids, decode)
     x_BTD = common.embed_inputs(
         c, self.shared_embed, self.decoder_position_embed, decoder_inputs, positions
@@ -112,6 +119,7 @@ class EncoderDecoder(nn.Module):
         causal=True,
         decode_slots=self.decode_slots if decode else None,
         relative_bias=self.decoder_relative_bias,
+        token_index_BT=decoder_token_index,
     )
     if decode:  # padding only: decoder steps carry segment 1, whatever the encoder's ids
       cross_spec = AttentionSpec.cross_attention(
@@ -162,6 +170,7 @@ class EncoderDecoder(nn.Module):
       decoder_segment_ids: Array | None = None,
       encoder_positions: Array | None = None,
       decoder_positions: Array | None = None,
+      decoder_token_index: Array | None = None,
       train: bool = False,
       decode: bool = False,
   ) -> Array:
@@ -177,6 +186,7 @@ class EncoderDecoder(nn.Module):
         encoder_segment_ids=encoder_segment_ids,
         decoder_segment_ids=decoder_segment_ids,
         decoder_positions=decoder_positions,
+        decoder_token_index=decoder_token_index,
         train=train,
         decode=decode,
     )

@@ -8,6 +8,7 @@ sharded `jax.jit(init)`, with the train step compiling on a thread beside it. Th
 
 import dataclasses
 import functools
+import math
 import os
 import pathlib
 import threading
@@ -24,6 +25,7 @@ from tx_jax import evaluation
 from tx_jax import models
 from tx_jax import multihost
 from tx_jax import sharding
+from tx_jax.layers import axes
 from tx_jax.models import summary as model_summary
 from tx_jax.train import metrics as metrics_lib, optimizers
 from tx_jax.train import progress as progress_lib, state as state_lib, steps
@@ -115,14 +117,26 @@ def bind_train_step(config, apply_fn, tx, schedule) -> Callable:
   )
 
 
-def _to_global(batch: dict, mesh: jax.sharding.Mesh) -> dict:
-  """A host batch as the jitted steps take it.
+def context_order(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, rules) -> Callable:
+  """host batch -> host batch: causal rows in zig-zag order over the devices that split the
+  sequence (data/context_order.py), when config.model.context_load_balance is "data"; else
+  the batch as it is."""
+  seq_axes = sharding.mesh_axes_of(axes.ACT_LEN, rules)
+  devices = math.prod(mesh.shape[a] for a in seq_axes if a in mesh.shape)
+  if devices <= 1 or config.model.context_load_balance != "data":
+    return lambda batch: batch
+  return functools.partial(data.to_zigzag, task=config.data.task, devices=devices)
+
+
+def _to_global(batch: dict, mesh: jax.sharding.Mesh, order: Callable[[dict], dict]) -> dict:
+  """A host batch as the jitted steps take it, in the token order `order` gives.
 
   Across processes: global jax.Arrays (data.make_global_batch). In one process the host
   batch is the global batch: after the same divisibility check it goes to the step as
   numpy, and jit copies it to its in_shardings in C++, cheaper for the loop's thread than
   device_put's Python path.
   """
+  batch = order(batch)
   if jax.process_count() > 1:
     return data.make_global_batch(batch, mesh, sharding.BATCH_AXES)
   data.check_global_rows(batch, mesh, sharding.BATCH_AXES)
@@ -264,7 +278,8 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> TrainRun:
 
   mesh = sharding.make_mesh(config.mesh)
   rules = sharding.logical_rules(config)
-  to_global = functools.partial(_to_global, mesh=mesh)
+  order = context_order(config, mesh, rules)
+  to_global = functools.partial(_to_global, mesh=mesh, order=order)
 
   module = models.build(config.model)
   tx, schedule = optimizers.build_optimizer(config)
@@ -286,7 +301,7 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> TrainRun:
     if is_main:
       print(f"resumed from step {start} in {ckpt.directory}", flush=True)
   else:
-    compiling = compile_ahead(train_step, abstract_state, first_batch)
+    compiling = compile_ahead(train_step, abstract_state, order(first_batch))
     try:
       state = jit_init(layout, mesh)()
     finally:  # also when init fails: no compile outlives the set-up

@@ -56,6 +56,10 @@ class MultiHeadAttention(nn.Module):
   param_dtype: jnp.dtype = jnp.float32
   kernels: str = ops.PLAIN  # which `layers.ops` kernel set projects and attends
   blockwise_blocks: tuple[int, int] = (DEFAULT_BLOCK, DEFAULT_BLOCK)  # `blockwise`: (query, key)
+  # Self-attention on a mesh that splits the sequence (ring.py): "ring" or "all_gather"; and
+  # whether attention puts tokens in zig-zag order itself, for batches in natural order.
+  context_parallel: str = "ring"
+  context_reorder: bool = False
   lora: LoraSpec | None = None  # low-rank adapters on the projections its targets name
 
   def _fused_projection(self, x_BTD: Array, train: bool) -> tuple[Array, Array, Array]:
@@ -177,6 +181,8 @@ class MultiHeadAttention(nn.Module):
           spec,
           scale=scale,
           axis_name=context_axis,
+          variant=self.context_parallel,
+          reorder=self.context_reorder,
           kernels=ops.get(self.kernels),
       )
       return self._output(out_BTNH, x_BTD.shape[-1], train)

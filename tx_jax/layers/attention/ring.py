@@ -13,10 +13,12 @@ Three separable pieces, each in one place:
   accumulator with it, so no device ever holds all of K and V.
 
 Causal load balance: with a plain split the last device sees every key and the first almost
-none. `zigzag` gives device i the sequence chunks i and 2n-1-i (MaxText / Transformer
-Engine's dual-chunk order), moved between devices with two ppermutes inside the shard_map
-and moved back the same way after, so the caller's layout never changes. Indices (and so
-causality) travel with the tokens.
+none. The dual-chunk ("zig-zag") order of MaxText and Transformer Engine gives device i the
+sequence chunks i and 2n-1-i. The trainer's batches arrive in that order already, with each
+token's natural index in the spec (tx_jax/data/context_order.py), so attention here just
+trusts the indices: causality holds in any order. For callers that feed natural order,
+`reorder=True` makes the order here instead (`zigzag`: two ppermutes inside the shard_map,
+undone the same way after), at the price of reordered copies of q, k, v and the output.
 """
 
 from __future__ import annotations
@@ -30,11 +32,14 @@ import jax.numpy as jnp
 from tx_jax.layers import axes, ops
 from tx_jax.layers.attention import blockwise
 from tx_jax.layers.attention.blockwise import Partial, empty_partial, finish, merge
-from tx_jax.layers.attention.spec import AttentionSpec
+from tx_jax.layers.attention.spec import SEQUENCE_FIELDS, AttentionSpec
 
 Array = jnp.ndarray
 
 VARIANTS = ("ring", "all_gather")
+# Where causal rows are put in zig-zag order (config.model.context_load_balance): by the
+# trainer's data path ("data"), inside attention ("attention"), or nowhere ("none").
+LOAD_BALANCE = ("data", "attention", "none")
 
 # Key/query block inside one ring step, half blockwise's default: a device holds its local
 # [T/n, H] blocks plus a few [block, block] score tiles per head, and at 4k tokens per device
@@ -144,22 +149,32 @@ def _ring_bwd(scale, axis_name, block, einsum, residuals, dout):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def ring_attention(
+def local_attention(
     q_BTNH: Array,
     k_BSKH: Array,
     v_BSKH: Array,
     spec: AttentionSpec,
     *,
+    variant: str,
     scale: float,
     axis_name: str,
     block: int = RING_BLOCK,
     kernels: ops.Kernels = ops.get(ops.PLAIN),
 ) -> Array:
-  """Ring attention on this device's blocks; call inside a shard_map over `axis_name`.
+  """This device's attention output; call inside a shard_map over `axis_name`.
 
   q, k, v and the spec are the local blocks (equal lengths on every device); the spec's
-  indices are global, so causality and windows hold across blocks.
+  indices are global, so causality and windows hold across blocks. "ring" passes K/V around
+  the devices; "all_gather" (the baseline) gathers every device's K/V and key fields and
+  attends with the local queries.
   """
+  if variant == "all_gather":
+    gather = lambda x: jax.lax.all_gather(x, axis_name, axis=1, tiled=True)  # noqa: E731
+    spec_all = spec.with_keys(*(gather(x) for x in _key_fields(spec)))
+    return blockwise.blockwise_attention(
+        q_BTNH, gather(k_BSKH), gather(v_BSKH), spec_all, scale=scale, block_q=block,
+        block_k=block, kernels=kernels,
+    )
   batch, length, num_heads, head_dim = q_BTNH.shape
   kv_heads = k_BSKH.shape[2]
   block, num_blocks = blockwise._blocks(length, block)  # pylint: disable=protected-access
@@ -177,33 +192,6 @@ def ring_attention(
   )
   out_BTKGH = jnp.moveaxis(out_BKGTH, 3, 1)[:, :length]
   return out_BTKGH.reshape(q_BTNH.shape).astype(q_BTNH.dtype)
-
-
-def all_gather_attention(
-    q_BTNH: Array,
-    k_BSKH: Array,
-    v_BSKH: Array,
-    spec: AttentionSpec,
-    *,
-    scale: float,
-    axis_name: str,
-    block: int = RING_BLOCK,
-    kernels: ops.Kernels = ops.get(ops.PLAIN),
-) -> Array:
-  """The baseline: gather every device's K/V (and key fields), attend with the local queries."""
-  gather = lambda x: jax.lax.all_gather(x, axis_name, axis=1, tiled=True)  # noqa: E731
-  k_all, v_all = gather(k_BSKH), gather(v_BSKH)
-  spec_all = spec.with_keys(*(gather(x) for x in _key_fields(spec)))
-  return blockwise.blockwise_attention(
-      q_BTNH,
-      k_all,
-      v_all,
-      spec_all,
-      scale=scale,
-      block_q=block,
-      block_k=block,
-      kernels=kernels,
-  )
 
 
 def _pad(x_BT: Array, length: int) -> Array:
@@ -244,30 +232,6 @@ def zigzag(x_BT: Array, axis_name: str, *, inverse: bool = False) -> Array:
   )
 
 
-def zigzag_order(length: int, size: int) -> list[int]:
-  """The token order `zigzag` leaves on the devices (device d holds entries d*L..(d+1)*L-1)."""
-  chunk = length // (2 * size)
-  chunks = [c for d in range(size) for c in (d, 2 * size - 1 - d)]
-  return [c * chunk + t for c in chunks for t in range(chunk)]
-
-
-def causal_work(order: list[int], size: int) -> list[int]:
-  """Visible (query, key) pairs per device under a causal mask, for queries in `order`: the
-  ring's work on each device, whichever device holds the keys."""
-  local = len(order) // size
-  return [sum(i + 1 for i in order[d * local : (d + 1) * local]) for d in range(size)]
-
-
-_SEQUENCE_FIELDS = (
-    "query_segment_ids",
-    "key_segment_ids",
-    "query_index",
-    "key_index",
-    "query_positions",
-    "key_positions",
-)
-
-
 def context_parallel_attention(
     q_BTNH: Array,
     k_BSKH: Array,
@@ -277,7 +241,7 @@ def context_parallel_attention(
     scale: float,
     axis_name: str,
     variant: str = "ring",
-    load_balance: bool = True,
+    reorder: bool = False,
     block: int = RING_BLOCK,
     kernels: ops.Kernels = ops.get(ops.PLAIN),
 ) -> Array:
@@ -285,7 +249,8 @@ def context_parallel_attention(
   axes stay with the compiler). Lengths the devices do not divide are padded (segment id 0).
 
   variant "ring" passes K/V around the devices; "all_gather" gathers them (the baseline).
-  load_balance: causal attention in zig-zag order (`zigzag`).
+  reorder: put causal rows in zig-zag order here (`zigzag`) and back after; leave it False
+  when they arrive in that order with their indices in the spec.
   """
   if variant not in VARIANTS:
     raise ValueError(f"context-parallel variant={variant!r} is not one of {VARIANTS}")
@@ -300,27 +265,27 @@ def context_parallel_attention(
         f"key length {k_BSKH.shape[1]}"
     )
   size = jax.sharding.get_abstract_mesh().shape[axis_name]
-  balance = load_balance and spec.causal and size > 1
+  balance = reorder and spec.causal and size > 1
   multiple = size * (2 if balance else 1)
   length = q_BTNH.shape[1]
   padded = -(-length // multiple) * multiple
-  attend = ring_attention if variant == "ring" else all_gather_attention
 
   def local(q, k, v, spec_local):
     if balance:
       q, k, v = (zigzag(x, axis_name) for x in (q, k, v))
       spec_local = spec_local.replace(
-          **{f: zigzag(getattr(spec_local, f), axis_name) for f in _SEQUENCE_FIELDS}
+          **{f: zigzag(getattr(spec_local, f), axis_name) for f in SEQUENCE_FIELDS}
       )
-    out = attend(
-        q, k, v, spec_local, scale=scale, axis_name=axis_name, block=block, kernels=kernels
+    out = local_attention(
+        q, k, v, spec_local, variant=variant, scale=scale, axis_name=axis_name, block=block,
+        kernels=kernels,
     )
     return zigzag(out, axis_name, inverse=True) if balance else out
 
   split = jax.sharding.PartitionSpec(None, axis_name)
   spec_specs = spec.replace(
       bias=jax.tree.map(lambda _: jax.sharding.PartitionSpec(), spec.bias),
-      **{f: split for f in _SEQUENCE_FIELDS},
+      **{f: split for f in SEQUENCE_FIELDS},
   )
   out = jax.shard_map(
       local,

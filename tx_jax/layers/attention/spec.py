@@ -42,6 +42,17 @@ def _arange_like(x_BL: Array) -> Array:
   return jnp.broadcast_to(jnp.arange(x_BL.shape[1], dtype=jnp.int32), x_BL.shape)
 
 
+# The spec's per-token fields: what moves with the tokens when a sequence is split or reordered.
+SEQUENCE_FIELDS = (
+    "query_segment_ids",
+    "key_segment_ids",
+    "query_index",
+    "key_index",
+    "query_positions",
+    "key_positions",
+)
+
+
 def _pad(x_BL: Array, length: int) -> Array:
   return jnp.pad(x_BL, ((0, 0), (0, length - x_BL.shape[1])))
 
