@@ -205,9 +205,12 @@ def _abstract_params(model_cfg: Any) -> Any:
 def restore_params(
     path: str | pathlib.Path, model_cfg: Any, step: int | None = None
 ) -> tuple[Any, int]:
-  """(params, step) of a workdir's checkpoint (the newest by default); optimizer state unread."""
+  """(params, step) of a workdir's checkpoint (the newest by default); optimizer state unread.
+
+  A LoRA workdir's frozen params come from its frozen base (tx_jax.frozen_base).
+  """
   return checkpoint.restore_params(
-      pathlib.Path(path) / CHECKPOINTS, _abstract_params(model_cfg), step
+      pathlib.Path(path) / CHECKPOINTS, _abstract_params(model_cfg), step, model_cfg.lora
   )
 
 
@@ -227,7 +230,7 @@ def save_step0(
   from tx_jax.train import optimizers, state  # pylint: disable=import-outside-toplevel
 
   path = pathlib.Path(path)
-  manager = checkpoint.Checkpointer(path / CHECKPOINTS, config.checkpoint)
+  manager = checkpoint.Checkpointer(path / CHECKPOINTS, config.checkpoint, config.model)
   try:
     if manager.latest_step() is not None:
       raise hf.ConversionError(
