@@ -233,3 +233,28 @@ def test_restores_onto_the_requested_shardings(tmp_path):
     assert got.sharding == wanted.sharding
   frozen = frozen_base.split_params(restored.params, config.model.lora)[1]
   assert any(split(x) for x in jax.tree.leaves(frozen))  # the base is really sharded
+
+
+@pytest.mark.slow
+def test_a_moved_lora_workdir_resumes_decodes_and_exports(tmp_path, capsys):
+  """The workdir is self-contained: moved elsewhere, it resumes, decodes and exports."""
+  from tests.train import test_failed_save  # pylint: disable=g-import-not-at-top
+  from tx_jax.decode import workdir as decode_workdir  # pylint: disable=g-import-not-at-top
+  from tx_jax.train import loop  # pylint: disable=g-import-not-at-top
+
+  config = test_failed_save._config(async_save=True)  # pylint: disable=protected-access
+  config.model.lora.update(rank=2, targets=("qkv",))
+  config.train.steps = 4
+  loop.train_and_evaluate(config, tmp_path / "run")
+  shutil.move(tmp_path / "run", tmp_path / "moved")
+  capsys.readouterr()
+  config.train.steps = 6
+  loop.train_and_evaluate(config, tmp_path / "moved")
+  assert "resumed from step 4" in capsys.readouterr().out
+  _, _, params, step = decode_workdir.load(tmp_path / "moved")
+  assert step == 6 and jax.tree.leaves(params)
+  _, step = workdir_lib.export_hf(tmp_path / "moved", tmp_path / "merged", merge=True)
+  assert step == 6 and (tmp_path / "merged" / "config.json").is_file()
+  workdir_lib.export_peft(tmp_path / "moved", tmp_path / "adapter")
+  values = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+  assert values["base_model_name_or_path"] is None  # initialised here: no HF name to give
