@@ -71,6 +71,12 @@ def _paths(tree: Any) -> list[str]:
   return ["/".join(k) for k in traverse_util.flatten_dict(tree)]
 
 
+def _shapes(tree: Any) -> dict[tuple, tuple]:
+  """Path -> shape of every leaf of a params tree, arrays or Orbax's metadata alike."""
+  flat = traverse_util.flatten_dict(tree)
+  return {k: tuple(getattr(v, "shape", ())) for k, v in flat.items()}
+
+
 def _first_difference(tree: Any, ours: list[int], theirs: list[int]) -> str:
   """The path of the first leaf whose fingerprint differs ('the leaf count' if they differ)."""
   if len(ours) != len(theirs):
@@ -152,6 +158,7 @@ class FrozenBase:
           f"{self._advice()}"
       )
     saved = self.saved_fingerprints()
+    self._check_shapes(abstract_frozen)
     if saved != recorded:
       raise FrozenBaseError(
           f"the frozen base at {self.directory} is not the one {step_dir} was trained on (at "
@@ -184,6 +191,23 @@ class FrozenBase:
           f"saved with it. {self._advice()}"
       )
     return restored
+
+  def _check_shapes(self, abstract_frozen: Any) -> None:
+    """CheckpointMismatchError when the base is not of the config's shapes (the config's fault)."""
+    try:
+      tree = ocp.StandardCheckpointHandler().metadata(self.directory / "params").tree
+    except (OSError, ValueError):  # unreadable metadata is damage; the restore says so
+      return
+    saved, wanted = _shapes(tree), _shapes(abstract_frozen)
+    if saved == wanted:
+      return
+    differing = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))[0]
+    raise checkpoint_errors.CheckpointMismatchError(
+        f"the frozen base at {self.directory} does not match the config: "
+        f"{'/'.join(differing)} is {saved.get(differing)} there and {wanted.get(differing)} in "
+        "the config (None: absent). It was left in place; train with the config it was written "
+        "with (--config=configs/workdir.py:WORKDIR) or use another --workdir"
+    )
 
   def _advice(self) -> str:
     return (
