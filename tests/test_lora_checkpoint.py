@@ -273,3 +273,12 @@ def test_a_base_of_other_shapes_is_a_mismatch_not_damage(tmp_path):
     _manager(tmp_path, wider).restore_latest(_abstract(_state(wider)))
   assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [1]
   assert not (tmp_path / "checkpoints_damaged").exists()
+
+
+def test_a_run_that_trains_every_param_writes_no_base(tmp_path):
+  config = _config()
+  config.model.lora.also_train = (".*",)
+  _save(tmp_path, config, [1])
+  assert not (tmp_path / frozen_base.DIRNAME).exists()
+  restored, _ = _manager(tmp_path, config).restore_latest(_abstract(_state(config)))
+  _equal(restored, _state(config, 1.0))

@@ -116,6 +116,8 @@ class FrozenBase:
     Raises FrozenBaseError when the written base holds other values (it is never
     overwritten), and lets a failed write's OSError or ValueError through to the caller.
     """
+    if not jax.tree.leaves(frozen):  # also_train takes every param: there is no base
+      return {"path": DIRNAME, "fingerprints": []}
     sums, finite = checksums.fingerprint(frozen)
     live = [int(s) for s in sums]
     if not finite:
@@ -152,6 +154,8 @@ class FrozenBase:
   def restore(self, abstract_frozen: Any, recorded: list[int], step_dir: pathlib.Path) -> Any:
     """The base onto `abstract_frozen`'s shardings, checked against a step's `recorded`
     fingerprints; FrozenBaseError naming the base when it is missing, damaged or another."""
+    if not recorded and not jax.tree.leaves(abstract_frozen):
+      return abstract_frozen  # nothing frozen, nothing written (`record`)
     if not self.directory.is_dir():
       raise FrozenBaseError(
           f"the frozen base at {self.directory}, which checkpoint {step_dir} needs, is missing. "
