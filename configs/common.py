@@ -102,6 +102,9 @@ def base_config() -> ml_collections.ConfigDict:
   """Every section with its defaults; a family file overrides what its paper sets."""
   config = ml_collections.ConfigDict()
   config.seed = 0  # seeds parameter init, dropout and anything else random in training
+  # The HuggingFace directory experiments.convert --from_hf read ("" for a model initialised
+  # here); --to_peft writes it as the adapter's base_model_name_or_path
+  config.converted_from = ""
   config.model = model_config()
   config.data = data_defaults.data_config()
   # One fact: what the data pipeline packs is what the attention backends are told.

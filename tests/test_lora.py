@@ -219,10 +219,21 @@ def test_lora_run_resumes_bitwise(tmp_path, capsys):
   full, resumed = (jax.tree.leaves(_saved_state(tmp_path / run, 6)) for run in ("full", "resumed"))
   assert len(full) == len(resumed) and len(full) > 10
   assert all(a.tobytes() == b.tobytes() for a, b in zip(full, resumed))
+  # The steps hold what trains; the whole params, frozen base included, match too.
+  from tx_jax import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+
+  saved = _flat(_saved_state(tmp_path / "full", 6)["params"])
+  assert saved and all(k.endswith(("lora_a", "lora_b")) for k in saved)
+  full, resumed = (
+      jax.tree.leaves(workdir_lib.restore_params(tmp_path / run, config.model, 6)[0])
+      for run in ("full", "resumed")
+  )
+  assert len(full) == len(resumed) > len(saved)
+  assert all(np.asarray(a).tobytes() == np.asarray(b).tobytes() for a, b in zip(full, resumed))
 
 
 def _saved_state(workdir, step):
-  """The state saved at `step`, as numpy (adapters, their moments, the frozen base)."""
+  """The state saved at `step`, as numpy (adapters, their moments; the base is saved apart)."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
   path = workdir / "checkpoints" / str(step) / "state"

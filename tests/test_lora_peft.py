@@ -6,6 +6,8 @@ tx_jax, exported, load with PeftModel.from_pretrained and give tx_jax's logits; 
 export loads in plain transformers and gives the unmerged model's logits.
 """
 
+import json
+
 import flax.linen as nn
 import jax
 import numpy as np
@@ -76,6 +78,26 @@ def test_peft_adapter_loads_into_tx_jax(family_dir, tmp_path):
   np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
   with model.disable_adapter():  # the adapters change the logits: the match is not vacuous
     assert np.abs(got - _torch_logits(model)).max() > 100 * TOL
+
+
+def test_a_converted_workdir_names_its_base_in_the_adapter_it_exports(family_dir, tmp_path):
+  """--to_peft's base_model_name_or_path is the --from_hf directory, which --from_peft then
+  accepts; the workdir's params come whole from its frozen base and its step."""
+  family, hf_dir = family_dir
+  _peft_model(family, hf_dir).save_pretrained(tmp_path / "adapter")
+  workdir.import_hf(hf_dir, tmp_path / "run", peft_dir=tmp_path / "adapter")
+  assert (tmp_path / "run" / "frozen_base").is_dir()
+  workdir.export_peft(tmp_path / "run", tmp_path / "again")
+  values = json.loads((tmp_path / "again" / "adapter_config.json").read_text())
+  assert values["base_model_name_or_path"] == str(hf_dir.absolute())
+
+  workdir.import_hf(hf_dir, tmp_path / "run2", peft_dir=tmp_path / "again")
+  config, params, _ = workdir.load(tmp_path / "run2")
+  loaded = peft.PeftModel.from_pretrained(
+      transformers.AutoModelForCausalLM.from_pretrained(hf_dir), tmp_path / "again"
+  ).eval()
+  got = _tx_logits(config.model, nn.unbox(params))
+  np.testing.assert_allclose(got, _torch_logits(loaded), atol=TOL, rtol=0)
 
 
 @pytest.mark.parametrize("runtime", [{}, {"scan_layers": True, "fused_qkv": True}], ids=str)

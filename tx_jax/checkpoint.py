@@ -18,6 +18,9 @@ loop's next step boundary (`save_failed()`, cheap enough for every step). The fa
 unfinished `*.orbax-checkpoint-tmp` folder is removed; whatever Orbax's abandoned writes
 still put there, the next run's manager removes (`cleanup_tmp_directories`).
 
+With LoRA on, a step's `state` leaves out the frozen base, which is written once beside the
+steps (tx_jax.frozen_base: why, and what a missing or damaged base does).
+
 Mismatch is not damage: a checkpoint whose parameter tree or shapes differ from the
 config's (another d_model, another preset) raises `CheckpointMismatchError`, naming the
 differing fields, and is left where it is. Only real corruption (a fingerprint mismatch or
@@ -38,7 +41,7 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
-from tx_jax import checkpoint_errors, checksums, validation
+from tx_jax import checkpoint_errors, checksums, frozen_base, validation
 
 ON_CORRUPT = validation.ON_CORRUPT
 
@@ -47,6 +50,7 @@ ON_CORRUPT = validation.ON_CORRUPT
 CheckpointError = checkpoint_errors.CheckpointError
 CheckpointMismatchError = checkpoint_errors.CheckpointMismatchError
 CheckpointSaveError = checkpoint_errors.CheckpointSaveError
+FrozenBaseError = checkpoint_errors.FrozenBaseError
 
 
 def data_fingerprint(state: Any) -> int:
@@ -113,6 +117,10 @@ class Checkpointer:
     self.directory = pathlib.Path(directory).absolute()
     self.cfg = ckpt_cfg
     self.model = None if model_cfg is None else json.loads(model_cfg.to_json_best_effort())
+    self.lora = None if model_cfg is None else model_cfg.lora
+    self.base = None
+    if frozen_base.enabled(self.lora):
+      self.base = frozen_base.FrozenBase(self.directory.parent / frozen_base.DIRNAME)
     policies = [ocp.checkpoint_managers.LatestN(n=ckpt_cfg.keep)]
     if ckpt_cfg.best_metric:
       name = ckpt_cfg.best_metric
@@ -157,6 +165,9 @@ class Checkpointer:
       self.wait()  # as Orbax would, but a failure here is named with its own step
     if step in self.manager.all_steps():
       return
+    frozen = None
+    if self.base is not None:
+      state, frozen = frozen_base.split_state(state, self.lora)
     sums, finite = checksums.fingerprint(state)
     if not finite:
       raise CheckpointError(
@@ -164,6 +175,11 @@ class Checkpointer:
           f"the last good checkpoint is step {self.latest_step()}"
       )
     meta = {"step": int(step), "fingerprints": [int(s) for s in sums]}
+    if frozen is not None:
+      try:
+        meta["frozen_base"] = self.base.record(frozen)  # written at the first save only
+      except checkpoint_errors.WRITE_ERRORS as e:
+        raise self._save_failed(step, e) from e
     if self.model is not None:
       meta["model"] = self.model
     items = {"state": ocp.args.PyTreeSave(state)}
@@ -232,7 +248,14 @@ class Checkpointer:
         "another --workdir"
     )
 
+  def _saved_part(self, abstract_state: Any) -> tuple[Any, Any]:
+    """(what a step's `state` item holds, the frozen base's part or None) of a state."""
+    if self.base is None:
+      return abstract_state, None
+    return frozen_base.split_state(abstract_state, self.lora)
+
   def _restore_step(self, step: int, abstract_state: Any, data_iter: Any) -> Any:
+    abstract_state, abstract_frozen = self._saved_part(abstract_state)
     state_args = ocp.args.PyTreeRestore(
         item=abstract_state,
         restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state),
@@ -258,7 +281,10 @@ class Checkpointer:
         raise CheckpointError(
             "the data iterator state does not match the fingerprint saved with it"
         )
-    return state
+    if abstract_frozen is None:
+      return state
+    where = self.directory / str(step)
+    return frozen_base.combine_state(state, frozen_base.restore_for(where, meta, abstract_frozen))
 
   def restore_latest(self, abstract_state: Any, data_iter: Any = None) -> tuple[Any, int] | None:
     """(state, step) from the newest good checkpoint, or None when there is none.
@@ -272,9 +298,10 @@ class Checkpointer:
       stop = None
       try:
         self._check_items(step, with_data=data_iter is not None)
-        self._check_match(step, abstract_state)  # a mismatch is the config's fault: no fallback
+        # A mismatch is the config's fault, a bad frozen base is shared by every step: no fallback.
+        self._check_match(step, self._saved_part(abstract_state)[0])
         return self._restore_step(step, abstract_state, data_iter), step
-      except CheckpointMismatchError:
+      except (CheckpointMismatchError, FrozenBaseError):
         raise
       except ValueError as e:
         if checkpoint_errors.MISMATCH.search(str(e)):  # Orbax: the tree is not the config's
@@ -317,11 +344,7 @@ class Checkpointer:
   def _damaged(self, step: int, error: Exception) -> CheckpointError | None:
     """The error that stops the run, naming the damaged step; or None once the step is
     moved aside, so that the caller falls back."""
-    e = error
-    while e.__cause__ is not None:  # Orbax wraps the reader's own message ("OUT_OF_RANGE: ...")
-      e = e.__cause__
-    first = str(e).splitlines()[0] if str(e) else ""
-    reason = (first if type(e) is CheckpointError else f"{type(e).__name__}: {first}")[:300]
+    reason = checkpoint_errors.reason(error)
     where = self.directory / str(step)
     if self.cfg.on_corrupt == "stop":
       return CheckpointError(
@@ -428,12 +451,13 @@ class Checkpointer:
 
 
 def restore_params(
-    directory: str | pathlib.Path, abstract_params: Any, step: int | None = None
+    directory: str | pathlib.Path, abstract_params: Any, step: int | None = None, lora: Any = None
 ) -> tuple[Any, int]:
   """(params, step) of a saved TrainState, the newest step by default; nothing else is read.
 
   `abstract_params` holds jax.ShapeDtypeStruct leaves with shardings. The params' own
   fingerprints (saved in `meta`) are checked, so a damaged checkpoint is not decoded from.
+  With `lora` (config.model.lora) on, the frozen base saved beside the steps fills them in.
   """
   directory = pathlib.Path(directory).absolute()
   if not directory.is_dir():
@@ -460,6 +484,9 @@ def restore_params(
           f"checkpoint step {step} at {directory / str(step)} is damaged: missing "
           f"{' and '.join(k + '/' for k in missing)}"
       )
+    abstract_frozen = None
+    if frozen_base.enabled(lora):
+      abstract_params, abstract_frozen = frozen_base.split_params(abstract_params, lora)
     item = {"params": abstract_params}
     restore_args = ocp.checkpoint_utils.construct_restore_args(item)
     restored = manager.restore(
@@ -482,6 +509,9 @@ def restore_params(
         f"checkpoint step {step} at {directory / str(step)}: restored params do not match the "
         "fingerprints saved with them (damaged checkpoint)"
     )
+  if abstract_frozen is not None:
+    frozen = frozen_base.restore_for(directory / str(step), restored["meta"], abstract_frozen)
+    params = frozen_base.combine_params(params, frozen)
   return params, step
 
 

@@ -24,6 +24,20 @@ class CheckpointSaveError(CheckpointError):
   """A checkpoint could not be written: the run must stop before it trains what it cannot keep."""
 
 
+class FrozenBaseError(CheckpointError):
+  """LoRA's frozen base (tx_jax.frozen_base) is missing, damaged or another: no older step
+  would restore either, so no step is set aside."""
+
+
+def reason(error: BaseException) -> str:
+  """The innermost cause's first line, typed ("OSError: ..."); a CheckpointError's own words."""
+  e = error
+  while e.__cause__ is not None:  # Orbax wraps the reader's own message ("OUT_OF_RANGE: ...")
+    e = e.__cause__
+  first = str(e).splitlines()[0] if str(e) else ""
+  return (first if type(e) is CheckpointError else f"{type(e).__name__}: {first}")[:300]
+
+
 # Orbax's words for an on-disk tree that differs from the requested one.
 MISMATCH = re.compile(
     r"tree structure|structures do not match|shape|Missing keys|not found in", re.I

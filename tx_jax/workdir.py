@@ -205,9 +205,12 @@ def _abstract_params(model_cfg: Any) -> Any:
 def restore_params(
     path: str | pathlib.Path, model_cfg: Any, step: int | None = None
 ) -> tuple[Any, int]:
-  """(params, step) of a workdir's checkpoint (the newest by default); optimizer state unread."""
+  """(params, step) of a workdir's checkpoint (the newest by default); optimizer state unread.
+
+  A LoRA workdir's frozen params come from its frozen base (tx_jax.frozen_base).
+  """
   return checkpoint.restore_params(
-      pathlib.Path(path) / CHECKPOINTS, _abstract_params(model_cfg), step
+      pathlib.Path(path) / CHECKPOINTS, _abstract_params(model_cfg), step, model_cfg.lora
   )
 
 
@@ -227,7 +230,7 @@ def save_step0(
   from tx_jax.train import optimizers, state  # pylint: disable=import-outside-toplevel
 
   path = pathlib.Path(path)
-  manager = checkpoint.Checkpointer(path / CHECKPOINTS, config.checkpoint)
+  manager = checkpoint.Checkpointer(path / CHECKPOINTS, config.checkpoint, config.model)
   try:
     if manager.latest_step() is not None:
       raise hf.ConversionError(
@@ -293,6 +296,8 @@ def import_hf(
     config = base
     if check is not None:
       check(config)  # the preset's data and training must fit the HF model
+  # PEFT names an adapter's base by the path it was loaded from; _read_peft compares its name.
+  config.converted_from = str(pathlib.Path(hf_dir).absolute())
   path = pathlib.Path(path).absolute()
   if (path / CHECKPOINTS).is_dir() and any((path / CHECKPOINTS).iterdir()):
     # Checked before the tokenizer files are copied over the workdir's own.
@@ -349,7 +354,8 @@ def export_peft(
     raise hf.ConversionError(f"{path} has no LoRA adapters (config.model.lora.rank=0)")
   params = models.unstack_layers(nn.unbox(jax.device_get(params)))
   flat = traverse_util.flatten_dict(params, sep="/")
-  return peft.to_peft(mc, hf.architecture_for(mc), flat, out), step
+  base = config.converted_from or None  # None: a base initialised here has no HF name
+  return peft.to_peft(mc, hf.architecture_for(mc), flat, out, base_model=base), step
 
 
 def _tokenizer_source(config: ml_collections.ConfigDict) -> pathlib.Path | None:
