@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import traverse_util
 
-from tx_jax import checkpoint, hf, lora, models
+from tx_jax import checkpoint, checkpoint_params, hf, lora, models
 from tx_jax.interop import peft
 from tx_jax.data import hf_tokenizer, tokenizers
 
@@ -209,7 +209,7 @@ def restore_params(
 
   A LoRA workdir's frozen params come from its frozen base (tx_jax.frozen_base).
   """
-  return checkpoint.restore_params(
+  return checkpoint_params.restore_params(
       pathlib.Path(path) / CHECKPOINTS, _abstract_params(model_cfg), step, model_cfg.lora
   )
 
