@@ -11,7 +11,7 @@ import pytest
 from flax import traverse_util
 
 from configs import bert, gpt, t5
-from tests.train import batches
+from tests.train import batches, runs
 from tx_jax import models
 from tx_jax.layers.linear import Linear
 from tx_jax.layers.lora import LoraSpec
@@ -216,13 +216,13 @@ def test_lora_run_resumes_bitwise(tmp_path, capsys):
   capsys.readouterr()
   train(tmp_path / "resumed", 6)
   assert "resumed from step 3" in capsys.readouterr().out  # not a second run from scratch
-  full, resumed = (jax.tree.leaves(_saved_state(tmp_path / run, 6)) for run in ("full", "resumed"))
+  full, resumed = (jax.tree.leaves(runs.saved_state(tmp_path / run, 6)) for run in ("full", "resumed"))
   assert len(full) == len(resumed) and len(full) > 10
   assert all(a.tobytes() == b.tobytes() for a, b in zip(full, resumed))
   # The steps hold what trains; the whole params, frozen base included, match too.
   from tx_jax import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
 
-  saved = _flat(_saved_state(tmp_path / "full", 6)["params"])
+  saved = _flat(runs.saved_state(tmp_path / "full", 6)["params"])
   assert saved and all(k.endswith(("lora_a", "lora_b")) for k in saved)
   full, resumed = (
       jax.tree.leaves(workdir_lib.restore_params(tmp_path / run, config.model, 6)[0])
@@ -230,21 +230,6 @@ def test_lora_run_resumes_bitwise(tmp_path, capsys):
   )
   assert len(full) == len(resumed) > len(saved)
   assert all(np.asarray(a).tobytes() == np.asarray(b).tobytes() for a, b in zip(full, resumed))
-
-
-def _saved_state(workdir, step):
-  """The state saved at `step`, as numpy (adapters, their moments; the base is saved apart)."""
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-
-  path = workdir / "checkpoints" / str(step) / "state"
-  checkpointer = ocp.PyTreeCheckpointer()
-  saved = checkpointer.metadata(path).item_metadata.tree
-  as_numpy = jax.tree.map(
-      lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
-      saved,
-      is_leaf=lambda x: isinstance(x, ocp.metadata.ArrayMetadata),
-  )
-  return checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
 
 
 def test_to_peft_refuses_a_run_that_trained_base_params(tmp_path):

@@ -100,3 +100,19 @@ def last_logged_step(workdir: pathlib.Path) -> int:
     return 0
   steps = [json.loads(l)["step"] for l in path.read_text().splitlines() if l.strip()]
   return max(steps, default=0)
+
+
+def saved_state(workdir: pathlib.Path, step: int) -> dict:
+  """The `state` item saved at `step`, as numpy (no shardings to guess, so Orbax has no warning)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  path = workdir / "checkpoints" / str(step) / "state"
+  checkpointer = ocp.PyTreeCheckpointer()
+  saved = checkpointer.metadata(path).item_metadata.tree
+  as_numpy = jax.tree.map(
+      lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
+      saved,
+      is_leaf=lambda x: isinstance(x, ocp.metadata.ArrayMetadata),
+  )
+  return checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))

@@ -6,25 +6,11 @@ import time
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
 from tests.train import runs
 
 pytestmark = pytest.mark.slow
-
-
-def _final_params(workdir, step):
-  """The params saved at `step`, as numpy (no shardings to guess, so Orbax has no warning)."""
-  path = workdir / "checkpoints" / str(step) / "state"
-  checkpointer = ocp.PyTreeCheckpointer()
-  saved = checkpointer.metadata(path).item_metadata.tree
-  as_numpy = jax.tree.map(
-      lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
-      saved,
-      is_leaf=lambda x: isinstance(x, ocp.metadata.ArrayMetadata),
-  )
-  return checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))["params"]
 
 
 def _kill_when(proc, workdir, step, deadline=300, after_checkpoint=None, finished_ok=False):
@@ -78,7 +64,7 @@ def test_sigkill_then_relaunch_is_bit_identical(tmp_path):
   assert sorted(got) == list(range(1, 61)), f"killed at {kill_at}: steps {sorted(got)}"
   mismatched = [s for s in expected if expected[s] != got[s]]
   assert not mismatched, f"killed at {kill_at}: losses differ at steps {mismatched[:5]}"
-  a, b = _final_params(full, 60), _final_params(killed, 60)
+  a, b = runs.saved_state(full, 60)["params"], runs.saved_state(killed, 60)["params"]
   import jax
 
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
