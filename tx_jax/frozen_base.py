@@ -179,7 +179,11 @@ class FrozenBase:
               )
           ),
       )["params"]
-    except Exception as e:  # noqa: BLE001 -- Orbax reports unreadable arrays as bare Exceptions
+    except Exception as e:  # noqa: BLE001
+      # Orbax reports an unreadable array as a bare Exception and missing or garbled files as
+      # OSError / ValueError / KeyError; anything else is a bug, not damage, and propagates.
+      if type(e) is not Exception and not isinstance(e, (OSError, ValueError, KeyError)):
+        raise
       raise FrozenBaseError(
           f"the frozen base at {self.directory} could not be read "
           f"({checkpoint_errors.reason(e)}). {self._advice()}"
